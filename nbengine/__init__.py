@@ -1,0 +1,18 @@
+"""nbengine: an LLM inference engine embedded in a Jupyter kernel."""
+
+from nbengine.outputs import CompletionOutput, Logprob, RequestOutput
+from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError, RequestStatus
+from nbengine.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "CompletionOutput",
+    "EngineDeadError",
+    "FinishReason",
+    "Logprob",
+    "RequestIdInUseError",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestStatus",
+    "SamplingParams",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,115 @@
+"""Engine configuration: small dataclasses, each validated in ``__post_init__``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Which model to load and how.
+
+    ``model`` is a Hugging Face-format directory; None means the shipped default model.
+    ``max_model_len`` None means the model's own ``max_position_embeddings``.
+    """
+
+    model: str | Path | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}.")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    ``num_kv_blocks`` None sizes the pool from ``kv_cache_memory_gb``.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(
+                f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}."
+            )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    ``max_num_batched_tokens`` is the per-step token budget shared by prefill chunks
+    and decodes; ``max_num_seqs`` caps the number of running requests.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
+            )
+        if self.policy not in _POLICIES:
+            raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}.")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine needs; built from ``Engine(...)``/``LLM(...)`` keyword arguments."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str | Path | None = None, **kwargs: object) -> EngineConfig:
+        """Split flat keyword arguments (as ``nb.Engine`` takes them) into the parts.
+
+        Unknown keywords raise ``TypeError`` naming them.
+        """
+        parts: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {
+            "model": ModelConfig.__dataclass_fields__,
+            "cache": CacheConfig.__dataclass_fields__,
+            "scheduler": SchedulerConfig.__dataclass_fields__,
+        }
+        for key, value in kwargs.items():
+            for part, fields_ in owners.items():
+                if key in fields_ and key != "model":
+                    parts[part][key] = value
+                    break
+            else:
+                raise TypeError(f"Unknown engine argument {key!r}.")
+        return cls(
+            model=ModelConfig(model=model, **parts["model"]),  # type: ignore[arg-type]
+            cache=CacheConfig(**parts["cache"]),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
+        )

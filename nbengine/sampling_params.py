@@ -1,0 +1,161 @@
+"""Sampling parameters, with vLLM's field names and meanings.
+
+Every field is validated in ``__post_init__``; an invalid value raises ``ValueError``
+(or ``TypeError`` for a wrong type) naming the field, at the call that built it.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """How a streaming request reports its progress."""
+
+    CUMULATIVE = 0  # every output carries all text and tokens so far
+    DELTA = 1  # every output carries only what is new since the previous one
+    FINAL_ONLY = 2  # a single output, when the request finishes
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one completion (or ``n`` of them) for a prompt.
+
+    ``temperature=0`` means greedy decoding. ``seed`` makes sampling reproducible
+    whatever else shares the batch. ``stop`` strings are matched on the detokenized
+    text and may span token boundaries; ``stop_token_ids`` end the request on a
+    sampled token. ``logprobs=k`` returns the top-k log-probabilities plus the
+    sampled token's for every output position; ``prompt_logprobs=k`` does the same
+    for prompt positions.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: int = 1
+    skip_special_tokens: bool = True
+    # Normalised forms, filled in by __post_init__.
+    stop_strings: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}.")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        self.stop_strings = _normalise_stop(self.stop)
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
+                self.stop_token_ids, Sequence
+            ):
+                raise TypeError("stop_token_ids must be a list of ints.")
+            for t in self.stop_token_ids:
+                _check_int("stop_token_ids", t, minimum=0)
+            self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError("logit_bias must be a dict mapping token ids to floats.")
+            for tok, bias in self.logit_bias.items():
+                _check_int("logit_bias", tok, minimum=0)
+                _check_float("logit_bias", bias)
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
+            )
+        _check_int("stream_interval", self.stream_interval, minimum=1)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (used to derive the n>1 children)."""
+        return copy.deepcopy(self)
+
+
+def _normalise_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}.")
+    for s in stop:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must contain only strings, got {s!r}.")
+        if not s:
+            raise ValueError("stop must not contain an empty string.")
+    return list(stop)
+
+
+def _check_int(name: str, value: object, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+
+
+def _check_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}.")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}.")
