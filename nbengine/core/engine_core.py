@@ -1,0 +1,289 @@
+"""The engine core: requests in, one schedule -> execute -> update step at a time.
+
+``EngineCore`` is driven either directly (``add_request`` / ``abort_requests`` /
+``step``, as the tests do) or by ``run_busy_loop`` on the ``nbengine-core`` thread,
+which reads the frontend's FIFO queue of ``EngineCoreMessage`` and emits one
+``EngineCoreOutputs`` batch per step and per processed input that removed requests.
+
+Protocol invariant: every request the core removes (finished, aborted, ignored,
+errored) is reported in exactly one batch's ``finished`` set, and no output for
+that key follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Protocol
+
+import torch
+
+from nbengine.config import EngineConfig
+from nbengine.core.messages import (
+    EngineCoreMessage,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    MessageType,
+    StepStats,
+)
+from nbengine.core.scheduler import Scheduler
+from nbengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from nbengine.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class RunnerLike(Protocol):
+    """What the core needs from a model runner (``nbengine.model.runner.ModelRunner``)."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class EngineCore:
+    """Scheduler + KV cache + model runner, stepped one batch at a time."""
+
+    def __init__(self, config: EngineConfig, runner: RunnerLike | None = None) -> None:
+        if runner is None:
+            from nbengine.model.runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner: RunnerLike = runner
+        max_model_len = runner.max_model_len
+        if config.model.max_model_len is not None:
+            max_model_len = min(max_model_len, config.model.max_model_len)
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.block_size, max_model_len)
+        self.step_count = 0
+        self._pending_msgs: deque[EngineCoreMessage] = deque()
+        self._mid_step_queue: queue.Queue[EngineCoreMessage] | None = None
+        self._closed = False
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Hold a new request (WAITING), or finish it IGNORED if it can never fit.
+
+        Raises TypeError for a non-str id and ValueError for a key already held or an
+        invalid prompt; nothing is held in that case.
+        """
+        rid = request.request_id
+        if not isinstance(rid, str):
+            raise TypeError(f"request_id must be a string, got {type(rid).__name__} {rid!r}.")
+        if rid in self.scheduler.requests:
+            raise ValueError(f"Request id {rid!r} is already held by the engine core.")
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"Request {rid!r} has an empty prompt; at least one token is needed.")
+        vocab = self.runner.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"Request {rid!r}: prompt token id {t!r} is out of range for the "
+                    f"model's vocabulary of {vocab} tokens."
+                )
+        params = request.sampling_params
+        if params.n != 1:
+            raise ValueError(f"Request {rid!r}: the engine core takes n=1 (got n={params.n}).")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        eos = request.eos_token_ids or self.runner.eos_token_ids
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            eos_token_ids=frozenset(eos),
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            generator=generator,
+        )
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Remove held requests as FINISHED_ABORTED; unknown or finished keys are a no-op."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ---- stepping -------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """One schedule -> execute -> update step.
+
+        The batch also carries every removal since the previous batch (aborts,
+        ignored prompts) in ``finished``. With nothing to run it returns just those.
+        """
+        start = time.monotonic()
+        sched = self.scheduler
+        batch = sched.schedule()
+        outputs: list[EngineCoreOutput] = []
+        if not batch.is_empty:
+            result = self.runner.execute(batch)
+            # Inputs that arrived while the model ran (an abort of a request in this
+            # batch wins over its final token) are applied before the update.
+            self._process_mid_step()
+            outputs = sched.update_from_output(batch, result)
+        self.step_count += 1
+        removed_outputs, finished, events = sched.take_removals()
+        kv = sched.kv
+        stats = StepStats(
+            step=self.step_count,
+            start_time=start,
+            duration_s=time.monotonic() - start,
+            num_requests=len(batch.chunks),
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=batch.num_decode_tokens,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=sched.step_num_preemptions,
+        )
+        return EngineCoreOutputs(
+            outputs=outputs + removed_outputs, finished=finished, events=events, step=stats
+        )
+
+    def collect_removals(self) -> EngineCoreOutputs | None:
+        """The removals (and events) since the last batch, or None if there are none."""
+        if not self.scheduler.has_finished_requests():
+            return None
+        outputs, finished, events = self.scheduler.take_removals()
+        return EngineCoreOutputs(outputs=outputs, finished=finished, events=events)
+
+    # ---- the busy loop ----------------------------------------------------------------
+    def run_busy_loop(
+        self,
+        input_queue: queue.Queue[EngineCoreMessage],
+        emit: Callable[[EngineCoreOutputs], None],
+    ) -> None:
+        """Body of the ``nbengine-core`` thread; returns on SHUTDOWN or when the core dies.
+
+        Idle: blocks on the queue. Busy: drains the queue (FIFO) between steps, emits
+        removals at once, then emits one batch per step. An exception in a step emits
+        one final batch with ``engine_error`` failing every held request, then returns.
+        """
+        self._mid_step_queue = input_queue
+        try:
+            while True:
+                if not self.has_unfinished_requests() and not self._pending_msgs:
+                    self._pending_msgs.append(input_queue.get())
+                self._drain(input_queue)
+                stop = self._process_pending(stop_at_utility=False)
+                removals = self.collect_removals()
+                if removals is not None:
+                    emit(removals)
+                if stop:
+                    return
+                if self.has_unfinished_requests():
+                    emit(self.step())
+        except Exception as exc:  # the core is dead: fail everything it holds
+            logger.exception("engine core step failed")
+            self._die(exc, emit)
+        finally:
+            self._mid_step_queue = None
+
+    def _die(self, exc: BaseException, emit: Callable[[EngineCoreOutputs], None]) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        self.scheduler.fail_all(message)
+        outputs, finished, events = self.scheduler.take_removals()
+        for out in outputs:
+            out.finish_reason = FinishReason.ERROR
+            out.status = RequestStatus.FINISHED_ERROR
+        try:
+            emit(EngineCoreOutputs(outputs=outputs, finished=finished, events=events,
+                                   engine_error=message))
+        except Exception:
+            logger.exception("could not report the engine core failure")
+
+    def _drain(self, input_queue: queue.Queue[EngineCoreMessage]) -> None:
+        while True:
+            try:
+                self._pending_msgs.append(input_queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _process_mid_step(self) -> None:
+        """Apply queued ADD/ABORT messages between execute and update (busy loop only)."""
+        if self._mid_step_queue is None:
+            return
+        self._drain(self._mid_step_queue)
+        self._process_pending(stop_at_utility=True)
+
+    def _process_pending(self, stop_at_utility: bool) -> bool:
+        """Handle queued messages in FIFO order; True if SHUTDOWN was reached.
+
+        With ``stop_at_utility`` (mid-step) only ADD/ABORT are handled and processing
+        stops at the first UTILITY or SHUTDOWN, which stays queued for after the step.
+        """
+        while self._pending_msgs:
+            msg = self._pending_msgs[0]
+            if stop_at_utility and msg.type in (MessageType.UTILITY, MessageType.SHUTDOWN):
+                return False
+            self._pending_msgs.popleft()
+            if msg.type == MessageType.SHUTDOWN:
+                return True
+            if msg.type == MessageType.ADD:
+                self._handle_add(msg.payload)
+            elif msg.type == MessageType.ABORT:
+                ids = msg.payload
+                self.abort_requests([ids] if isinstance(ids, str) else list(ids or ()))
+            elif msg.type == MessageType.UTILITY:
+                self._handle_utility(msg)
+            else:
+                logger.error("unknown engine core message %r", msg)
+        return False
+
+    def _handle_add(self, request: EngineCoreRequest) -> None:
+        try:
+            self.add_request(request)
+        except (TypeError, ValueError) as exc:
+            key = getattr(request, "request_id", None)
+            key = key if isinstance(key, str) else str(key)
+            logger.warning("rejected request %s: %s", key, exc)
+            self.scheduler.report_rejected(key, str(exc))
+
+    def _handle_utility(self, msg: EngineCoreMessage) -> None:
+        fut: Future[Any] | None = msg.future
+        try:
+            result = msg.payload(self)
+        except Exception as exc:
+            if fut is not None:
+                try:
+                    fut.set_exception(exc)
+                except InvalidStateError:
+                    pass
+            else:
+                logger.exception("utility call failed")
+            return
+        if fut is not None:
+            try:
+                fut.set_result(result)
+            except InvalidStateError:
+                pass
+
+    def shutdown(self) -> None:
+        """Release the model and KV tensors; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.runner.shutdown()
