@@ -1,0 +1,147 @@
+"""GPT2LMHeadModel: learned positions, pre-LayerNorm blocks, gelu_new MLP, tied lm_head.
+
+Checkpoint Conv1D weights are stored ``[in, out]``; the loader transposes them into
+ordinary ``nn.Linear`` layers. Attention runs on the same paged KV cache as the
+Llama family (one KV head per query head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nbengine.model.weights import WeightMap
+from nbengine.model.weights import WeightSource as W
+from nbengine.ops.attention import AttentionMetadata, paged_attention
+
+_ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+@dataclass(slots=True)
+class GPT2Args:
+    """Shape of a GPT-2 model, parsed from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    inner_size: int
+    max_positions: int
+    eps: float
+    activation: str
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> GPT2Args:
+        hidden = int(cfg.get("n_embd", cfg.get("hidden_size", 768)))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(cfg.get("n_layer", cfg.get("num_hidden_layers", 12))),
+            num_heads=int(cfg.get("n_head", cfg.get("num_attention_heads", 12))),
+            inner_size=int(cfg.get("n_inner") or 4 * hidden),
+            max_positions=int(cfg.get("n_positions", cfg.get("max_position_embeddings", 1024))),
+            eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            activation=str(cfg.get("activation_function", "gelu_new")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        )
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, a: GPT2Args) -> None:
+        super().__init__()
+        self.num_heads = a.num_heads
+        self.head_dim = a.hidden_size // a.num_heads
+        self.hidden = a.hidden_size
+        self.scale = self.head_dim**-0.5
+        self.ln_1 = nn.LayerNorm(a.hidden_size, eps=a.eps)
+        self.c_attn = nn.Linear(a.hidden_size, 3 * a.hidden_size)
+        self.attn_proj = nn.Linear(a.hidden_size, a.hidden_size)
+        self.ln_2 = nn.LayerNorm(a.hidden_size, eps=a.eps)
+        self.c_fc = nn.Linear(a.hidden_size, a.inner_size)
+        self.mlp_proj = nn.Linear(a.inner_size, a.hidden_size)
+        self.act = _ACTIVATIONS[a.activation]
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.c_attn(self.ln_1(x)).split(self.hidden, dim=-1)
+        shape = (n, self.num_heads, self.head_dim)
+        o = paged_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape),
+                            k_cache, v_cache, meta, self.scale)
+        x = x + self.attn_proj(o.reshape(n, self.hidden))
+        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2 over a paged KV cache."""
+
+    def __init__(self, a: GPT2Args) -> None:
+        super().__init__()
+        self.args = a
+        self.num_layers = a.num_layers
+        self.num_kv_heads = a.num_heads
+        self.head_dim = a.hidden_size // a.num_heads
+        self.wte = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.wpe = nn.Embedding(a.max_positions, a.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(a) for _ in range(a.num_layers))
+        self.ln_f = nn.LayerNorm(a.hidden_size, eps=a.eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config ties them."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (final LayerNorm applied)."""
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block, (kc, vc) in zip(self.h, kv_caches):
+            x = block(x, meta, kc, vc)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in float32."""
+        return self.lm_head(hidden).float()
+
+    def hf_weight_map(self) -> WeightMap:
+        """Our parameter name -> the HF tensors that make it up (Conv1D ones transposed)."""
+        a = self.args
+        h, inner = a.hidden_size, a.inner_size
+        t = "transformer."
+        m: WeightMap = {
+            "wte.weight": [W(t + "wte.weight", 0, a.vocab_size)],
+            "wpe.weight": [W(t + "wpe.weight", 0, a.max_positions)],
+            "ln_f.weight": [W(t + "ln_f.weight", 0, h)],
+            "ln_f.bias": [W(t + "ln_f.bias", 0, h)],
+        }
+        if not a.tie_word_embeddings:
+            m["lm_head.weight"] = [W("lm_head.weight", 0, a.vocab_size)]
+        for i in range(a.num_layers):
+            hp, ours = f"{t}h.{i}.", f"h.{i}."
+            for ln in ("ln_1", "ln_2"):
+                m[ours + ln + ".weight"] = [W(hp + ln + ".weight", 0, h)]
+                m[ours + ln + ".bias"] = [W(hp + ln + ".bias", 0, h)]
+            for mine, theirs, rows in (
+                ("c_attn", "attn.c_attn", 3 * h),
+                ("attn_proj", "attn.c_proj", h),
+                ("c_fc", "mlp.c_fc", inner),
+                ("mlp_proj", "mlp.c_proj", h),
+            ):
+                m[ours + mine + ".weight"] = [W(hp + theirs + ".weight", 0, rows, True)]
+                m[ours + mine + ".bias"] = [W(hp + theirs + ".bias", 0, rows)]
+        return m

@@ -1,0 +1,210 @@
+"""The Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+
+All four share one decoder: pre-norm blocks of RMSNorm -> GQA attention with RoPE ->
+RMSNorm -> SwiGLU MLP. The differences are flags of ``DecoderArgs``: Qwen2 has biases
+on q/k/v, Qwen3 normalises q and k per head (RMSNorm over head_dim) before RoPE and may
+set ``head_dim`` independently of ``hidden_size``, Llama may set ``attention_bias``
+(q/k/v/o) and ``mlp_bias``, and any of them may tie ``lm_head`` to the embeddings.
+
+For speed, q/k/v are held as one fused ``qkv_proj`` and gate/up as one ``gate_up_proj``
+(the loader concatenates the checkpoint's separate tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nbengine.model.weights import WeightMap
+from nbengine.model.weights import WeightSource as W
+from nbengine.ops.attention import AttentionMetadata, paged_attention
+from nbengine.ops.rms_norm import RMSNorm
+from nbengine.ops.rotary import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class DecoderArgs:
+    """Shape and flavour of a Llama-family model, parsed from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_positions: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], arch: str, max_positions: int) -> DecoderArgs:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
+        theta = cfg.get("rope_theta")
+        if theta is None and rope_params is not None:
+            theta = rope_params.get("rope_theta")
+        scaling = cfg.get("rope_scaling") or rope_params
+        attention_bias = bool(cfg.get("attention_bias", False))
+        qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta if theta is not None else 10000.0),
+            rope_scaling=scaling,
+            max_positions=max_positions,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+        )
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_size = a.num_heads * a.head_dim
+        self.kv_size = a.num_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.rotary = rotary
+        self.scale = a.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, a: DecoderArgs) -> None:
+        super().__init__()
+        self.inter = a.intermediate_size
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = DecoderAttention(a, rotary)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = SwiGLU(a)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV cache."""
+
+    def __init__(self, a: DecoderArgs) -> None:
+        super().__init__()
+        self.args = a
+        self.num_layers = a.num_layers
+        self.num_kv_heads = a.num_kv_heads
+        self.head_dim = a.head_dim
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_positions, a.rope_theta, a.rope_scaling)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a, self.rotary) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config ties them."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
+        x = self.embed_tokens(input_ids)
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            x = layer(x, positions, meta, kc, vc)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in float32 for the selected hidden rows."""
+        return self.lm_head(hidden).float()
+
+    def hf_weight_map(self) -> WeightMap:
+        """Our parameter name -> the HF tensors (and row ranges) that make it up."""
+        a = self.args
+        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        m: WeightMap = {
+            "embed_tokens.weight": [W("model.embed_tokens.weight", 0, a.vocab_size)],
+            "norm.weight": [W("model.norm.weight", 0, a.hidden_size)],
+        }
+        if not a.tie_word_embeddings:
+            m["lm_head.weight"] = [W("lm_head.weight", 0, a.vocab_size)]
+        for i in range(a.num_layers):
+            hp, ours = f"model.layers.{i}.", f"layers.{i}."
+            m[ours + "input_layernorm.weight"] = [W(hp + "input_layernorm.weight", 0, a.hidden_size)]
+            m[ours + "post_attention_layernorm.weight"] = [
+                W(hp + "post_attention_layernorm.weight", 0, a.hidden_size)
+            ]
+            suffixes = ["weight"] + (["bias"] if a.qkv_bias else [])
+            for s in suffixes:
+                m[ours + f"self_attn.qkv_proj.{s}"] = [
+                    W(hp + f"self_attn.q_proj.{s}", 0, q),
+                    W(hp + f"self_attn.k_proj.{s}", q, kv),
+                    W(hp + f"self_attn.v_proj.{s}", q + kv, kv),
+                ]
+            m[ours + "self_attn.o_proj.weight"] = [W(hp + "self_attn.o_proj.weight", 0, a.hidden_size)]
+            if a.o_bias:
+                m[ours + "self_attn.o_proj.bias"] = [W(hp + "self_attn.o_proj.bias", 0, a.hidden_size)]
+            if a.qk_norm:
+                for nm in ("q_norm", "k_norm"):
+                    m[ours + f"self_attn.{nm}.weight"] = [W(hp + f"self_attn.{nm}.weight", 0, a.head_dim)]
+            for s in ["weight"] + (["bias"] if a.mlp_bias else []):
+                m[ours + f"mlp.gate_up_proj.{s}"] = [
+                    W(hp + f"mlp.gate_proj.{s}", 0, inter),
+                    W(hp + f"mlp.up_proj.{s}", inter, inter),
+                ]
+                m[ours + f"mlp.down_proj.{s}"] = [W(hp + f"mlp.down_proj.{s}", 0, a.hidden_size)]
+        return m

@@ -1,0 +1,152 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and one sampled token per request.
+
+Per step: flatten the scheduled chunks (single-token chunks first, so the attention op
+can batch them), build input ids, positions and the attention metadata (slot mapping,
+gather tables, masks) once, run the model under ``torch.inference_mode``, project to
+logits only the rows that are needed (the last row of every chunk that samples, and the
+prompt rows of requests that asked for ``prompt_logprobs``), then sample.
+
+The runner validates nothing user-facing (the frontend does); it asserts the
+SchedulerOutput invariants cheaply.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from nbengine.config import EngineConfig
+from nbengine.core.scheduler_output import (
+    ModelRunnerOutput,
+    SampledToken,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from nbengine.model.loader import LoadedModel, load_model
+from nbengine.model.tokenizer import Tokenizer
+from nbengine.ops.attention import ChunkSpec, build_attention_metadata
+from nbengine.ops.sampling import Sampler, topk_logprobs
+from nbengine.outputs import PositionLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model, its paged KV cache and the sampler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded: LoadedModel = load_model(config.model)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.dtype = loaded.dtype
+        self.block_size: int = config.cache.block_size
+        self.max_model_len: int = loaded.max_model_len
+        self.vocab_size: int = loaded.vocab_size
+        self.eos_token_ids: frozenset[int] = loaded.eos_token_ids
+
+        m = self.model
+        per_block = kv_block_bytes(m.num_layers, self.block_size, m.num_kv_heads, m.head_dim,
+                                   self.dtype)
+        if config.cache.num_kv_blocks is not None:
+            n_blocks = config.cache.num_kv_blocks
+        else:
+            n_blocks = max(1, int(config.cache.kv_cache_memory_gb * (1 << 30)) // per_block)
+            # More than every sequence at full length could ever hold is wasted memory.
+            per_seq = math.ceil(self.max_model_len / self.block_size)
+            n_blocks = min(n_blocks, config.scheduler.max_num_seqs * per_seq)
+        self.num_kv_blocks: int = n_blocks
+        shape = (n_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(m.num_layers)
+        ]
+        self.sampler = Sampler(config.model.seed)
+        logger.info(
+            "Loaded %s from %s (%s, max_model_len=%d); KV cache: %d blocks of %d tokens (%.1f MiB).",
+            loaded.architecture, loaded.path, self.dtype, self.max_model_len, n_blocks,
+            self.block_size, n_blocks * per_block / (1 << 20),
+        )
+
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the scheduled chunks, write their K/V, sample where ``chunk.sample``."""
+        out = ModelRunnerOutput()
+        if batch.is_empty:
+            return out
+        chunks: list[ScheduledChunk] = [c for c in batch.chunks if c.num_tokens == 1]
+        chunks += [c for c in batch.chunks if c.num_tokens != 1]
+        bs = self.block_size
+
+        ids: list[int] = []
+        positions: list[int] = []
+        specs: list[ChunkSpec] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        plp_rows: list[int] = []
+        plp_targets: list[int] = []
+        plp_ks: list[int] = []
+        plp_spans: list[tuple[str, bool, int]] = []  # (request key, leading None, count)
+        row = 0
+        for c in chunks:
+            req = c.request
+            end = c.start_pos + c.num_tokens
+            assert 0 < c.num_tokens and end <= req.num_tokens, "chunk beyond the request's tokens"
+            assert c.sample == (end == req.num_tokens), "sample flag disagrees with chunk end"
+            assert len(c.block_table) * bs >= end, "block table too short for the chunk"
+            assert end <= self.max_model_len, "chunk beyond max_model_len"
+            ids.extend(req.all_token_ids[c.start_pos:end])
+            positions.extend(range(c.start_pos, end))
+            specs.append(ChunkSpec(c.start_pos, c.num_tokens, c.block_table))
+            if c.sample:
+                sample_rows.append(row + c.num_tokens - 1)
+                sample_chunks.append(c)
+            k = req.sampling_params.prompt_logprobs
+            # Prompt logprobs are produced during the first prefill only (no outputs yet).
+            if k is not None and req.num_output_tokens == 0 and c.start_pos < req.num_prompt_tokens:
+                last = min(end, req.num_prompt_tokens - 1)  # logits at p predict token p + 1
+                count = max(0, last - c.start_pos)
+                for p in range(c.start_pos, c.start_pos + count):
+                    plp_rows.append(row + p - c.start_pos)
+                    plp_targets.append(req.all_token_ids[p + 1])
+                    plp_ks.append(k)
+                plp_spans.append((req.request_id, c.start_pos == 0, count))
+            row += c.num_tokens
+
+        meta = build_attention_metadata(specs, bs)
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64),
+                meta,
+                self.kv_caches,
+            )
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows + plp_rows)])
+            n_s = len(sample_rows)
+            tokens, lps = self.sampler(logits[:n_s], [c.request for c in sample_chunks])
+            for c, tok, lp in zip(sample_chunks, tokens, lps):
+                out.sampled[c.request.request_id] = SampledToken(tok, lp)
+            if plp_spans:
+                plp = topk_logprobs(logits[n_s:].log_softmax(dim=-1), plp_targets, plp_ks)
+                i = 0
+                for key, lead_none, count in plp_spans:
+                    entries: list[PositionLogprobs | None] = [None] if lead_none else []
+                    entries.extend(plp[i : i + count])
+                    i += count
+                    out.prompt_logprobs[key] = entries
+        return out
+
+    def shutdown(self) -> None:
+        """Drop the model and the KV cache tensors."""
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]
+        self.loaded = None  # type: ignore[assignment]

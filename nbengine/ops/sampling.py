@@ -1,0 +1,200 @@
+"""Token sampling with vLLM's SamplingParams semantics.
+
+Order of operations (as vLLM's v1 sampler):
+
+1. raw logprobs = log_softmax(model logits), kept for ``logprobs`` (vLLM's "raw_logprobs");
+2. logits processors: ``min_tokens`` (mask EOS, unless ``ignore_eos``, and
+   ``stop_token_ids`` while too few tokens were generated), ``logit_bias``;
+3. penalties: repetition (prompt + output tokens; positive logits divided, negative
+   multiplied), frequency (``-= f * count`` over output tokens), presence
+   (``-= p`` for every token present in the output);
+4. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax;
+5. other rows: divide by temperature, ``min_p`` (drop tokens whose probability is below
+   ``min_p * max_prob``), ``top_k``, ``top_p`` (keep the smallest most-likely set whose
+   mass reaches ``top_p``), then sample with the exponential-race trick
+   ``argmax(probs / Exp(1))``.
+
+Randomness: a request with ``params.seed`` draws only from its own ``torch.Generator``
+(``Request.generator``, created lazily from the seed), one vocab-sized row of
+exponentials per step, so its tokens do not depend on what else is in the batch.
+Unseeded rows draw from the sampler's generator, seeded from ``ModelConfig.seed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nbengine.outputs import Logprob, PositionLogprobs
+from nbengine.request import Request
+from nbengine.sampling_params import SamplingParams
+
+
+def _needs_processing(req: Request) -> bool:
+    p = req.sampling_params
+    return bool(
+        p.logit_bias
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.repetition_penalty != 1.0
+        or (p.min_tokens and req.num_output_tokens < p.min_tokens)
+    )
+
+
+def topk_logprobs(
+    logprobs: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]
+) -> list[PositionLogprobs]:
+    """For each row: the chosen token's logprob and rank, then the row's top-``k`` entries.
+
+    ``logprobs [M, V]`` are normalised log-probabilities; rank 1 is the most likely token.
+    """
+    m = logprobs.shape[0]
+    if m == 0:
+        return []
+    tok = torch.tensor(list(token_ids), dtype=torch.int64).unsqueeze(1)
+    chosen = logprobs.gather(1, tok)  # [M, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    k_max = max(ks)
+    top_vals, top_ids = logprobs.topk(k_max, dim=1) if k_max > 0 else (None, None)
+    chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+    top_vals_l = top_vals.tolist() if top_vals is not None else [[]] * m
+    top_ids_l = top_ids.tolist() if top_ids is not None else [[]] * m
+    out: list[PositionLogprobs] = []
+    for i in range(m):
+        d: PositionLogprobs = {int(token_ids[i]): Logprob(chosen_l[i], ranks_l[i])}
+        for r in range(ks[i]):
+            t = top_ids_l[i][r]
+            if t not in d:
+                d[t] = Logprob(top_vals_l[i][r], r + 1)
+        out.append(d)
+    return out
+
+
+def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Steps 2-3 of the module docstring, in place on ``logits [N, V]`` (float32)."""
+    vocab = logits.shape[1]
+    pen_rows: list[int] = []
+    for i, req in enumerate(requests):
+        p = req.sampling_params
+        if p.min_tokens and req.num_output_tokens < p.min_tokens:
+            stop_ids = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                stop_ids |= req.eos_token_ids
+            ids = [t for t in stop_ids if t < vocab]
+            if ids:
+                logits[i, ids] = float("-inf")
+        if p.logit_bias:
+            items = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
+            if items:
+                idx = torch.tensor([t for t, _ in items], dtype=torch.int64)
+                logits[i].index_add_(0, idx, torch.tensor([b for _, b in items], dtype=logits.dtype))
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            pen_rows.append(i)
+    if not pen_rows:
+        return logits
+    n = len(pen_rows)
+    out_counts = torch.zeros(n, vocab, dtype=logits.dtype)
+    seen = torch.zeros(n, vocab, dtype=torch.bool)
+    for j, i in enumerate(pen_rows):
+        req = requests[i]
+        if req.output_token_ids:
+            out_ids = torch.tensor(req.output_token_ids, dtype=torch.int64).clamp_(max=vocab - 1)
+            out_counts[j].index_add_(0, out_ids, torch.ones(len(out_ids), dtype=logits.dtype))
+        if req.sampling_params.repetition_penalty != 1.0:
+            all_ids = torch.tensor(req.all_token_ids, dtype=torch.int64)
+            seen[j, all_ids[all_ids < vocab]] = True
+    rows = torch.tensor(pen_rows, dtype=torch.int64)
+    sub = logits[rows]
+    params = [requests[i].sampling_params for i in pen_rows]
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[:, None]
+    penalised = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalised, sub)
+    sub = sub - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
+    logits[rows] = sub
+    return logits
+
+
+def _filter_random_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p on ``logits [M, V]``; returns filtered logits."""
+    vocab = logits.shape[1]
+    temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+    logits = logits / temp
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)[:, None]
+        too_small = probs < min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(too_small, float("-inf"))
+    use_k = any(0 < p.top_k < vocab for p in params)
+    use_p = any(p.top_p < 1.0 for p in params)
+    if use_k or use_p:
+        sorted_x, order = logits.sort(dim=-1, descending=True)
+        if use_k:
+            k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
+            beyond_k = torch.arange(vocab)[None, :] >= k
+            sorted_x = sorted_x.masked_fill(beyond_k, float("-inf"))
+        if use_p:
+            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)[:, None]
+            probs = sorted_x.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+            sorted_x = sorted_x.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_x)
+    return logits
+
+
+class Sampler:
+    """Samples one token per row of logits for the given requests."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> tuple[list[int], list[PositionLogprobs | None]]:
+        """Token ids and (when ``params.logprobs`` is set) their logprobs, one per row.
+
+        ``logits [N, V]`` float32 are the raw model outputs for the N requests' next token.
+        """
+        assert logits.shape[0] == len(requests)
+        params = [r.sampling_params for r in requests]
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits.log_softmax(dim=-1)[want_lp] if want_lp else None
+
+        if all(p.greedy for p in params) and not any(_needs_processing(r) for r in requests):
+            tokens = logits.argmax(dim=-1).tolist()  # fast path: no per-row work
+        else:
+            x = apply_penalties_and_bias(logits.clone(), requests)
+            tokens = x.argmax(dim=-1).tolist()
+            rand = [i for i, p in enumerate(params) if not p.greedy]
+            if rand:
+                rows = torch.tensor(rand, dtype=torch.int64)
+                filtered = _filter_random_rows(x[rows], [params[i] for i in rand])
+                probs = filtered.softmax(dim=-1)
+                q = torch.empty_like(probs)
+                unseeded = [j for j, i in enumerate(rand) if params[i].seed is None]
+                if unseeded:
+                    q[unseeded] = torch.empty(len(unseeded), q.shape[1]).exponential_(
+                        generator=self.generator
+                    )
+                for j, i in enumerate(rand):
+                    req = requests[i]
+                    if req.sampling_params.seed is None:
+                        continue
+                    if req.generator is None:
+                        req.generator = torch.Generator().manual_seed(req.sampling_params.seed)
+                    q[j].exponential_(generator=req.generator)
+                picked = (probs / q).argmax(dim=-1).tolist()
+                for j, i in enumerate(rand):
+                    tokens[i] = picked[j]
+
+        lps: list[PositionLogprobs | None] = [None] * len(requests)
+        if want_lp:
+            assert raw is not None
+            computed = topk_logprobs(
+                raw, [tokens[i] for i in want_lp], [params[i].logprobs or 0 for i in want_lp]
+            )
+            for i, d in zip(want_lp, computed):
+                lps[i] = d
+        return tokens, lps
