@@ -1,14 +1,20 @@
 """nbengine: an LLM inference engine embedded in a Jupyter kernel."""
 
+from nbengine.frontend.engine import Engine
+from nbengine.frontend.handles import RequestHandle
+from nbengine.llm import LLM
 from nbengine.outputs import CompletionOutput, Logprob, RequestOutput
 from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "CompletionOutput",
+    "Engine",
     "EngineDeadError",
     "FinishReason",
+    "LLM",
     "Logprob",
+    "RequestHandle",
     "RequestIdInUseError",
     "RequestOutput",
     "RequestOutputKind",

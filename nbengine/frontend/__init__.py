@@ -1,0 +1,1 @@
+"""The frontend: Engine, request handles, output processing."""

@@ -1,0 +1,553 @@
+"""``Engine``: the in-process LLM engine (DESIGN.md sections 2-4).
+
+Threads:
+
+- the caller's thread(s): ``generate()`` validates there, then registers the request
+  on the loop with one short ``portal.call``;
+- ``nbengine-loop``: an anyio blocking portal (asyncio backend) that owns all frontend
+  state (the ``OutputProcessor`` registry, event hooks). Only this thread mutates it and
+  only this thread puts ADD/ABORT messages on the core queue, so the queue order always
+  matches the registry;
+- ``nbengine-core``: ``EngineCore.run_busy_loop``. Its ``emit`` hands each batch to the
+  loop with ``loop.call_soon_threadsafe`` and never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio.from_thread
+
+from nbengine.config import EngineConfig
+from nbengine.core.messages import (
+    EngineCoreMessage,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    MessageType,
+    StepStats,
+)
+from nbengine.frontend.detokenizer import IncrementalDetokenizer
+from nbengine.frontend.events import LifecycleEvent
+from nbengine.frontend.handles import RequestHandle, _make_async_waiter
+from nbengine.frontend.output_processor import ChildState, LiveRequest, OutputProcessor
+from nbengine.outputs import RequestMetrics, RequestOutput
+from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError
+from nbengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nbengine.core.engine_core import EngineCore, RunnerLike
+
+__all__ = ["Engine"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MAX_EVENTS = 100_000
+_MAX_STEPS = 100_000
+_WAKE_S = 0.1
+_CORE_DEATH_GRACE_S = 2.0  # a dead core thread whose failure the loop has not delivered
+
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _shutdown_all_engines() -> None:
+    for engine in list(_live_engines):
+        try:
+            engine.shutdown(timeout=5.0)
+        except Exception:
+            logger.exception("engine shutdown at exit failed")
+
+
+atexit.register(_shutdown_all_engines)
+
+
+def _boxed(fn: Callable[..., T], *args: Any) -> tuple[T]:
+    return (fn(*args),)
+
+
+class _Prepared:
+    """A validated request, ready to register (built on the caller's thread)."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "priority", "arrival")
+
+    def __init__(
+        self,
+        request_id: str | None,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.arrival = time.monotonic()
+
+
+class Engine:
+    """An LLM engine running on background threads of this process.
+
+    ``Engine(model=None, **kwargs)``: ``model`` is a Hugging Face-format directory (None:
+    the shipped default model); keyword arguments are ``EngineConfig`` fields
+    (``dtype``, ``max_model_len``, ``seed``, ``block_size``, ``num_kv_blocks``,
+    ``enable_prefix_caching``, ``kv_cache_memory_gb``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``policy``, ``enable_chunked_prefill``,
+    ``stream_interval``). ``generate()`` returns a ``RequestHandle`` at once and is safe
+    to call from any thread or event loop. Use ``with Engine(...) as engine:`` or call
+    ``shutdown()``.
+    """
+
+    def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
+        runner: RunnerLike | None = kwargs.pop("_runner", None)  # test hook
+        tokenizer = kwargs.pop("_tokenizer", None)  # test hook
+        self.config = EngineConfig.from_kwargs(model, **kwargs)
+        from nbengine.core.engine_core import EngineCore
+
+        if tokenizer is None:
+            from nbengine.model.loader import resolve_model_dir
+            from nbengine.model.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
+        self.tokenizer = tokenizer
+        self._core: EngineCore = EngineCore(self.config, runner)
+        runner_ = self._core.runner
+        self._vocab_size = int(runner_.vocab_size)
+        self._max_model_len = int(getattr(self._core, "max_model_len", runner_.max_model_len))
+        self._eos_token_ids = frozenset(runner_.eos_token_ids) | frozenset(
+            getattr(tokenizer, "eos_token_ids", ())
+        )
+        self._stream_interval = self.config.scheduler.stream_interval
+
+        self._events: deque[LifecycleEvent] = deque(maxlen=_MAX_EVENTS)
+        self._steps: deque[StepStats] = deque(maxlen=_MAX_STEPS)
+        self._dead: str | None = None  # why the engine can no longer serve (loop thread writes)
+        self._closed = False
+        self._shutdown_lock = threading.Lock()
+        self._incarnations = itertools.count(1)
+        self._auto_ids = itertools.count()
+        self._core_queue: queue.Queue[EngineCoreMessage] = queue.Queue()
+        self._processor = OutputProcessor(
+            tokenizer,
+            send_abort=self._send_abort,
+            on_event=lambda ev: self._on_event(ev),
+            on_step=lambda st: self._on_step(st),
+        )
+
+        self._exit_stack = contextlib.ExitStack()
+        try:
+            self._portal = self._exit_stack.enter_context(
+                anyio.from_thread.start_blocking_portal("asyncio", name="nbengine-loop")
+            )
+            self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
+            self._loop_thread: threading.Thread = self._portal.call(threading.current_thread)
+        except BaseException:
+            self._exit_stack.close()
+            self._core.shutdown()
+            raise
+        self._core_thread = threading.Thread(
+            target=self._core_main, name="nbengine-core", daemon=True
+        )
+        self._core_dead_since: float | None = None
+        self._core_thread.start()
+        _live_engines.add(self)
+
+    # ------------------------------------------------------------- event hooks
+
+    def _on_event(self, ev: LifecycleEvent) -> None:
+        """Called on the loop thread for every lifecycle transition."""
+        self._events.append(ev)
+
+    def _on_step(self, stats: StepStats) -> None:
+        """Called on the loop thread for every engine step."""
+        self._steps.append(stats)
+
+    # ------------------------------------------------------------ core thread
+
+    def _core_main(self) -> None:
+        error: str | None = None
+        try:
+            self._core.run_busy_loop(self._core_queue, self._emit)
+        except BaseException as exc:  # run_busy_loop reports step failures itself
+            logger.exception("engine core loop crashed")
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._call_soon(self._on_core_exit, error)
+
+    def _emit(self, outputs: EngineCoreOutputs) -> None:
+        """Core thread: hand a batch to the loop without blocking."""
+        self._call_soon(self._process_outputs, outputs)
+
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed (shutdown)
+            logger.debug("engine loop closed; dropped %s", getattr(fn, "__name__", fn))
+
+    # -------------------------------------------------------------- loop thread
+
+    def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        try:
+            if outputs.engine_error is not None:
+                self._dead = f"The engine core failed: {outputs.engine_error}"
+            self._processor.process(outputs)
+        except Exception as exc:
+            logger.exception("output processing failed")
+            self._die(f"Output processing failed: {type(exc).__name__}: {exc}")
+
+    def _on_core_exit(self, error: str | None) -> None:
+        if self._closed and error is None:
+            return
+        self._die(f"The engine core stopped: {error or 'its loop exited'}")
+
+    def _die(self, message: str) -> None:
+        if self._dead is None:
+            self._dead = message
+        self._processor.fail_all(self._dead)
+        self._core_queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
+
+    def _send_abort(self, keys: list[str]) -> None:
+        self._core_queue.put(EngineCoreMessage(MessageType.ABORT, list(keys)))
+
+    def _register(self, prep: _Prepared) -> RequestHandle:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        requests = self._processor.requests
+        request_id = prep.request_id
+        if request_id is None:
+            request_id = str(next(self._auto_ids))
+            while request_id in requests:
+                request_id = str(next(self._auto_ids))
+        else:
+            live = requests.get(request_id)
+            if live is not None:
+                raise RequestIdInUseError(request_id, live.status)
+        incarnation = next(self._incarnations)
+        params = prep.params
+        handle = RequestHandle(
+            self, request_id, params, prep.prompt, prep.prompt_token_ids, prep.arrival
+        )
+        n = params.n
+        children: list[ChildState] = []
+        child_params: list[SamplingParams] = []
+        for i in range(n):
+            if n == 1:
+                key, cp = f"{request_id}#{incarnation}", params
+            else:
+                key, cp = f"{request_id}#{incarnation}.{i}", params.clone()
+                cp.n = 1
+                if params.seed is not None:
+                    cp.seed = params.seed + i
+            child_params.append(cp)
+            children.append(
+                ChildState(key=key, index=i, params=cp,
+                           detok=IncrementalDetokenizer(self.tokenizer, cp))
+            )
+        live = LiveRequest(
+            request_id=request_id,
+            incarnation=incarnation,
+            handle=handle,
+            params=params,
+            prompt=prep.prompt,
+            prompt_token_ids=prep.prompt_token_ids,
+            children=children,
+            metrics=RequestMetrics(arrival_time=prep.arrival),
+            stream_interval=max(self._stream_interval, params.stream_interval),
+        )
+        self._processor.add(live)
+        for child, cp in zip(children, child_params):
+            self._core_queue.put(
+                EngineCoreMessage(
+                    MessageType.ADD,
+                    EngineCoreRequest(
+                        request_id=child.key,
+                        prompt_token_ids=list(prep.prompt_token_ids),
+                        sampling_params=cp,
+                        arrival_time=prep.arrival,
+                        priority=prep.priority,
+                        eos_token_ids=self._eos_token_ids,
+                    ),
+                )
+            )
+        return handle
+
+    def _start_aborts(self, request_ids: list[str]) -> list[Future[RequestOutput] | None]:
+        futures: list[Future[RequestOutput] | None] = []
+        for rid in request_ids:
+            live = self._processor.requests.get(rid)
+            futures.append(None if live is None else self._processor.request_abort(live))
+        return futures
+
+    def _start_abort_handle(self, handle: RequestHandle) -> Future[RequestOutput] | None:
+        live = handle._live
+        if live is None or live.finalized:
+            return None
+        return self._processor.request_abort(live)
+
+    # ----------------------------------------------------------- thread helpers
+
+    def _on_engine_thread(self) -> bool:
+        t = threading.current_thread()
+        return t is self._loop_thread or t is self._core_thread
+
+    def _call_on_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a short sync function on the loop thread and return its result."""
+        if threading.current_thread() is self._loop_thread:
+            return fn(*args)
+        if self._closed:
+            raise EngineDeadError(self._dead or "The engine has been shut down.")
+        try:
+            # Boxed: the portal would await an awaitable result (a RequestHandle is one).
+            return self._portal.call(_boxed, fn, *args)[0]
+        except RuntimeError as exc:
+            if not self._loop_thread.is_alive() or self._closed:
+                raise EngineDeadError(self._dead or "The engine has been shut down.") from exc
+            raise
+
+    def _check_waiter_alive(self) -> None:
+        """Raise EngineDeadError if nothing will ever wake a waiter (threads gone)."""
+        if not self._loop_thread.is_alive():
+            raise EngineDeadError(self._dead or "The engine loop thread is gone.")
+        if self._core_thread.is_alive():
+            self._core_dead_since = None
+            return
+        now = time.monotonic()
+        if self._core_dead_since is None:
+            self._core_dead_since = now
+        elif now - self._core_dead_since > _CORE_DEATH_GRACE_S:
+            raise EngineDeadError(self._dead or "The engine core thread is gone.")
+
+    def _wait_future(self, fut: Future[T], deadline: float | None, what: str) -> T:
+        while True:
+            wait = _WAKE_S
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{what} was not confirmed in time; it completes later.")
+                wait = min(wait, remaining)
+            try:
+                return fut.result(timeout=wait)
+            except FutureTimeoutError:
+                self._check_waiter_alive()
+
+    async def _await_future(self, fut: Future[T]) -> T:
+        while not fut.done():
+            wake, wait = _make_async_waiter()
+            fut.add_done_callback(lambda _f: wake())
+            await wait(0.25)
+            if not fut.done():
+                self._check_waiter_alive()
+        return fut.result()
+
+    # ------------------------------------------------------------- public API
+
+    def _prepare(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+    ) -> _Prepared:
+        """Validate one request on the caller's thread (raises; leaves no state)."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(
+                f"request_id must be a string, got {type(request_id).__name__} {request_id!r}."
+            )
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
+            )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}.")
+        text: str | None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("The prompt is empty; give at least one character or token.")
+            text = prompt
+            ids = list(self.tokenizer.encode(prompt))
+            if not ids:
+                raise ValueError(f"The prompt {prompt!r} encodes to no tokens.")
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            text = None
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("The prompt is empty; give at least one character or token.")
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise TypeError(f"Prompt token ids must be ints, got {t!r}.")
+                if not 0 <= t < self._vocab_size:
+                    raise ValueError(
+                        f"Prompt token id {t} is outside the model's vocabulary "
+                        f"(0..{self._vocab_size - 1})."
+                    )
+        else:
+            raise TypeError(
+                f"prompt must be a str or a list of token ids, got {type(prompt).__name__}."
+            )
+        if len(ids) > self._max_model_len:
+            raise ValueError(
+                f"The prompt has {len(ids)} tokens, more than max_model_len="
+                f"{self._max_model_len}."
+            )
+        return _Prepared(request_id, text, ids, sampling_params, priority)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestHandle:
+        """Start generating for ``prompt`` (a str or token ids); return its handle at once.
+
+        Raises ValueError/TypeError for an invalid prompt, id or params,
+        RequestIdInUseError if ``request_id`` is still live, EngineDeadError if the
+        engine failed or was shut down. Thread-safe; never blocks on the model.
+        """
+        if self._dead is not None or self._closed:
+            raise EngineDeadError(self._dead or "The engine has been shut down.")
+        prep = self._prepare(prompt, sampling_params, request_id, priority)
+        return self._call_on_loop(self._register, prep)
+
+    def _normalise_ids(self, request_ids: str | Iterable[str]) -> tuple[list[str], bool]:
+        if isinstance(request_ids, str):
+            return [request_ids], True
+        ids = list(request_ids)
+        for rid in ids:
+            if not isinstance(rid, str):
+                raise TypeError(f"request ids must be strings, got {rid!r}.")
+        return ids, False
+
+    def abort(
+        self, request_ids: str | Iterable[str], timeout: float | None = None
+    ) -> RequestOutput | list[RequestOutput | None] | None:
+        """Abort requests and block until the core confirms it released them.
+
+        Returns the final output (finish_reason "abort") for one id, or a list for a
+        list of ids; None for ids that are unknown or already finished. Idempotent.
+        TimeoutError if ``timeout`` passes first (the abort still completes later).
+        """
+        ids, single = self._normalise_ids(request_ids)
+        try:
+            futures = self._call_on_loop(self._start_aborts, ids)
+        except EngineDeadError:
+            return None if single else [None] * len(ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = [
+            None if f is None else self._wait_future(f, deadline, f"abort of {rid!r}")
+            for rid, f in zip(ids, futures)
+        ]
+        return results[0] if single else results
+
+    async def abort_async(
+        self, request_ids: str | Iterable[str]
+    ) -> RequestOutput | list[RequestOutput | None] | None:
+        """``abort()`` for asyncio and trio callers: awaits the core's confirmation."""
+        ids, single = self._normalise_ids(request_ids)
+        try:
+            futures = self._call_on_loop(self._start_aborts, ids)
+        except EngineDeadError:
+            return None if single else [None] * len(ids)
+        results = [None if f is None else await self._await_future(f) for f in futures]
+        return results[0] if single else results
+
+    def _abort_handle(self, handle: RequestHandle, timeout: float | None) -> RequestOutput | None:
+        if handle._final is None:
+            try:
+                fut = self._call_on_loop(self._start_abort_handle, handle)
+            except EngineDeadError:
+                fut = None
+            if fut is not None:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                return self._wait_future(fut, deadline, f"cancel of {handle.request_id!r}")
+        return handle._final
+
+    def _abort_handle_nowait(self, handle: RequestHandle) -> None:
+        if handle._final is None and not self._closed:
+            self._call_soon(self._start_abort_handle, handle)
+
+    async def _abort_handle_async(self, handle: RequestHandle) -> RequestOutput | None:
+        if handle._final is None:
+            try:
+                fut = self._call_on_loop(self._start_abort_handle, handle)
+            except EngineDeadError:
+                fut = None
+            if fut is not None:
+                return await self._await_future(fut)
+        return handle._final
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is live (not yet delivered its final output)."""
+        return self.num_unfinished_requests() > 0
+
+    def num_unfinished_requests(self) -> int:
+        """Number of live requests (user ids, not children)."""
+        return len(self._processor.requests)
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine failed or was shut down."""
+        return self._dead is None and not self._closed
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop both threads, fail live requests (EngineDeadError), free the model.
+
+        Idempotent; safe from any thread except the engine's own.
+        """
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _live_engines.discard(self)
+        reason = "The engine has been shut down."
+        if self._loop_thread.is_alive():
+            try:
+                self._portal.call(self._shutdown_on_loop, reason)
+            except Exception:
+                logger.exception("failing live requests at shutdown failed")
+        self._core_queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
+        self._core_thread.join(timeout)
+        if self._core_thread.is_alive():
+            logger.warning("engine core thread did not stop within %.1f s", timeout)
+        else:
+            try:
+                self._core.shutdown()
+            except Exception:
+                logger.exception("engine core shutdown failed")
+        try:
+            self._exit_stack.close()
+        except Exception:
+            logger.exception("closing the engine loop failed")
+
+    def _shutdown_on_loop(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        self._processor.fail_all(reason, FinishReason.ABORT)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "alive" if self.is_alive else "dead"
+        return f"Engine(model={self.config.model.model!r}, {state})"

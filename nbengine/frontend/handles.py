@@ -1,0 +1,478 @@
+"""``RequestHandle``: what ``Engine.generate()`` returns.
+
+Threading model: the engine's loop thread is the only writer (``_deliver``); any
+thread may read or wait. Sync waits use a ``threading.Condition`` and wake at least
+every 0.1 s (so SIGINT reaches the main thread and a dead engine is noticed). Async
+waits register a waker that resumes the consumer's own event loop thread-safely
+(asyncio ``loop.call_soon_threadsafe`` / trio ``token.run_sync_soon``), detected with
+``sniffio``.
+
+Stream semantics: outputs are shaped by ``params.output_kind``. When the consumer lags,
+pending outputs are merged (DELTA: text and ids concatenated, last cumulative logprob;
+CUMULATIVE: the newest state per completion index). Exactly one output has
+``finished=True``: the last one. ``result()``/``await h`` return the full final output
+(all text and ids of all ``n`` completions) whatever the output kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import sniffio
+
+from nbengine.outputs import CompletionOutput, RequestOutput
+from nbengine.request import EngineDeadError, RequestStatus
+from nbengine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from nbengine.frontend.engine import Engine
+    from nbengine.frontend.output_processor import LiveRequest
+
+__all__ = ["RequestHandle"]
+
+logger = logging.getLogger(__name__)
+
+_SYNC_WAKE_S = 0.1  # sync waits wake this often (SIGINT delivery, liveness checks)
+_ASYNC_WAKE_S = 0.25
+
+
+def merge_outputs(pending: RequestOutput, new: RequestOutput, kind: RequestOutputKind) -> None:
+    """Fold ``new`` into ``pending`` (an output the consumer has not taken yet), in place."""
+    by_index = {c.index: c for c in pending.outputs}
+    for comp in new.outputs:
+        old = by_index.get(comp.index)
+        if old is None:
+            pending.outputs.append(comp)
+            by_index[comp.index] = comp
+        elif kind is RequestOutputKind.DELTA:
+            old.text += comp.text
+            old.token_ids.extend(comp.token_ids)
+            if comp.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + comp.logprobs
+            old.cumulative_logprob = comp.cumulative_logprob
+            old.finish_reason = comp.finish_reason
+            old.stop_reason = comp.stop_reason
+        else:
+            pending.outputs[pending.outputs.index(old)] = comp
+            by_index[comp.index] = comp
+    pending.outputs.sort(key=lambda c: c.index)
+    pending.finished = new.finished
+    pending.status = new.status
+    pending.metrics = new.metrics
+    pending.num_cached_tokens = new.num_cached_tokens
+    if new.prompt_logprobs is not None:
+        pending.prompt_logprobs = new.prompt_logprobs
+    pending.error = new.error
+
+
+def _make_async_waiter() -> tuple[Callable[[], None], Callable[[float], Awaitable[None]]]:
+    """A (wake, wait) pair bound to the running event loop; wake() is thread-safe."""
+    lib = sniffio.current_async_library()
+    if lib == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        tev = trio.Event()
+
+        def wake_trio() -> None:
+            try:
+                token.run_sync_soon(tev.set)
+            except trio.RunFinishedError:
+                pass
+
+        async def wait_trio(timeout: float) -> None:
+            with trio.move_on_after(timeout):
+                await tev.wait()
+
+        return wake_trio, wait_trio
+    if lib != "asyncio":
+        raise RuntimeError(f"RequestHandle supports asyncio and trio, not {lib}.")
+    loop = asyncio.get_running_loop()
+    aev = asyncio.Event()
+
+    def wake_asyncio() -> None:
+        try:
+            loop.call_soon_threadsafe(aev.set)
+        except RuntimeError:  # the consumer's loop is closed
+            pass
+
+    async def wait_asyncio(timeout: float) -> None:
+        try:
+            await asyncio.wait_for(aev.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    return wake_asyncio, wait_asyncio
+
+
+class RequestHandle:
+    """A live view of one request: iterate it, wait for it, or cancel it.
+
+    ``for out in h`` / ``async for out in h`` stream ``RequestOutput``s (one consumer
+    per handle); leaving the loop early cancels the request. ``h.result()`` /
+    ``await h`` return the final output. ``h.cancel()`` aborts this incarnation and
+    returns its final output. ``h.text``, ``h.token_ids``, ``h.status`` and ``h.done()``
+    may be read from any thread at any time.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        params: SamplingParams,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = params
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.arrival_time = arrival_time
+        self._engine = engine
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: RequestOutput | None = None  # stream outputs not yet taken, merged
+        self._stream_done = False  # the finished output has been taken by the consumer
+        self._final: RequestOutput | None = None  # full final output, once delivered
+        self._error: EngineDeadError | None = None
+        self._status = RequestStatus.QUEUED
+        self._live: LiveRequest | None = None  # the processor's state (loop thread writes it)
+        self._consumer_claimed = False
+        self._wakers: list[Callable[[], None]] = []
+        self._done_callbacks: list[Callable[[RequestHandle], None]] = []
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def status(self) -> RequestStatus:
+        """The lifecycle status (QUEUED ... RELEASING, FINISHED_*)."""
+        return self._status
+
+    def done(self) -> bool:
+        """True once the final output has been delivered."""
+        return self._final is not None
+
+    @property
+    def text(self) -> str:
+        """The text of completion 0 so far (everything safe to show)."""
+        final = self._final
+        if final is not None:
+            return final.outputs[0].text if final.outputs else ""
+        live = self._live
+        if live is None or not live.children:
+            return ""
+        return live.children[0].visible_text()
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output token ids of completion 0 so far (a copy)."""
+        final = self._final
+        if final is not None:
+            return list(final.outputs[0].token_ids) if final.outputs else []
+        live = self._live
+        if live is None or not live.children:
+            return []
+        return list(live.children[0].detok.token_ids)
+
+    @property
+    def final_output(self) -> RequestOutput | None:
+        """The full final output (also for failed requests), or None while live."""
+        return self._final
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent-enough copy of the request's state for display (any thread)."""
+        final = self._final
+        live = self._live
+        outputs: list[dict[str, Any]] = []
+        metrics = None
+        if final is not None:
+            metrics = final.metrics
+            for c in final.outputs:
+                outputs.append(
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "token_ids": list(c.token_ids),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        elif live is not None:
+            metrics = live.metrics
+            for child in live.children:
+                outputs.append(
+                    {
+                        "index": child.index,
+                        "text": child.visible_text(),
+                        "token_ids": list(child.detok.token_ids),
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                )
+        return {
+            "request_id": self.request_id,
+            "status": self._status,
+            "finished": final is not None,
+            "text": outputs[0]["text"] if outputs else "",
+            "token_ids": outputs[0]["token_ids"] if outputs else [],
+            "num_output_tokens": sum(len(o["token_ids"]) for o in outputs),
+            "outputs": outputs,
+            "arrival_time": self.arrival_time,
+            "first_scheduled_time": getattr(metrics, "first_scheduled_time", None),
+            "first_token_time": getattr(metrics, "first_token_time", None),
+            "last_token_time": getattr(metrics, "last_token_time", None),
+            "finished_time": getattr(metrics, "finished_time", None),
+            "num_preemptions": getattr(metrics, "num_preemptions", 0),
+            "error": str(self._error) if self._error is not None else None,
+        }
+
+    def __repr__(self) -> str:
+        return f"RequestHandle(request_id={self.request_id!r}, status={self._status.name})"
+
+    # ------------------------------------------------------------- loop thread
+
+    def _deliver(
+        self,
+        out: RequestOutput | None,
+        final: RequestOutput | None = None,
+        error: EngineDeadError | None = None,
+    ) -> None:
+        """Called on the loop thread only: a stream output and/or the final output."""
+        with self._cond:
+            if out is not None and not self._stream_done:
+                if self._pending is None:
+                    self._pending = out
+                else:
+                    merge_outputs(self._pending, out, self.sampling_params.output_kind)
+            if error is not None:
+                self._error = error
+            if final is not None:
+                self._status = final.status
+                self._final = final
+            self._cond.notify_all()
+            wakers, self._wakers = self._wakers, []
+            callbacks = list(self._done_callbacks) if final is not None else []
+        for wake in wakers:
+            wake()
+        for cb in callbacks:
+            try:
+                cb(self)
+            except Exception:  # a callback must not break output processing
+                logger.exception("done callback of request %r failed", self.request_id)
+
+    def _add_done_callback(self, cb: Callable[[RequestHandle], None]) -> None:
+        """Run ``cb(handle)`` once the final output is delivered (at once if it was)."""
+        with self._cond:
+            if self._final is None:
+                self._done_callbacks.append(cb)
+                return
+        cb(self)
+
+    # ------------------------------------------------------------------ taking
+
+    _NOTHING: Any = object()
+
+    def _take_locked(self) -> RequestOutput | None | Any:
+        """Next stream output, None when the stream has ended, _NOTHING to wait."""
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            if out.finished:
+                self._stream_done = True
+            return out
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        if self._stream_done or self._final is not None:
+            return None
+        return self._NOTHING
+
+    def _claim_consumer(self) -> None:
+        with self._cond:
+            if self._consumer_claimed:
+                raise RuntimeError(
+                    f"Request {self.request_id!r} is already being iterated; a handle "
+                    "supports one consumer (use result() or text alongside it)."
+                )
+            self._consumer_claimed = True
+
+    # ---------------------------------------------------------------- sync API
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        self._claim_consumer()
+        return self._sync_stream()
+
+    def _sync_stream(self) -> Generator[RequestOutput, None, None]:
+        me = threading.get_ident()
+        completed = False
+        try:
+            while True:
+                out = self._next_sync()
+                if out is None:
+                    completed = True
+                    return
+                completed = out.finished
+                yield out
+                if completed:
+                    return
+        except KeyboardInterrupt:
+            completed = True
+            self._cancel_quietly(block=True)
+            raise
+        finally:
+            if not completed:
+                # Left early (break, exception, close): cancel, confirmed when we can block.
+                self._cancel_quietly(block=threading.get_ident() == me)
+
+    def _next_sync(self) -> RequestOutput | None:
+        with self._cond:
+            while True:
+                out = self._take_locked()
+                if out is not self._NOTHING:
+                    return out
+                self._cond.wait(_SYNC_WAKE_S)
+                if self._pending is None and self._final is None and self._error is None:
+                    self._engine._check_waiter_alive()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the request finishes; return its full final output.
+
+        Raises TimeoutError after ``timeout`` seconds (the request keeps running),
+        EngineDeadError if the engine failed. KeyboardInterrupt cancels the request,
+        waits for the core's confirmation, and re-raises.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            with self._cond:
+                while self._final is None:
+                    wait = _SYNC_WAKE_S
+                    if deadline is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise TimeoutError(
+                                f"Request {self.request_id!r} did not finish within "
+                                f"{timeout} s (status {self._status.name})."
+                            )
+                        wait = min(wait, remaining)
+                    self._cond.wait(wait)
+                    if self._final is None:
+                        self._engine._check_waiter_alive()
+        except KeyboardInterrupt:
+            self._cancel_quietly(block=True)
+            raise
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        return self._final
+
+    def cancel(self, timeout: float | None = None) -> RequestOutput | None:
+        """Abort this request (``engine.abort`` of this incarnation); return its final output."""
+        return self._engine._abort_handle(self, timeout)
+
+    def _cancel_quietly(self, block: bool) -> None:
+        try:
+            if block and not self._engine._on_engine_thread():
+                self._engine._abort_handle(self, None)
+            else:
+                self._engine._abort_handle_nowait(self)
+        except Exception:  # the engine is gone: nothing left to cancel
+            logger.debug("cancel of %r after early exit failed", self.request_id, exc_info=True)
+
+    # --------------------------------------------------------------- async API
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        self._claim_consumer()
+        return _AsyncStream(self)
+
+    async def _wait_async(self, ready: Callable[[], bool]) -> None:
+        """Wait on the caller's loop until ``ready()`` (checked under the lock)."""
+        while True:
+            with self._cond:
+                if ready():
+                    return
+                wake, wait = _make_async_waiter()
+                self._wakers.append(wake)
+            try:
+                await wait(_ASYNC_WAKE_S)
+            finally:
+                with self._cond:
+                    if wake in self._wakers:
+                        self._wakers.remove(wake)
+            with self._cond:
+                if ready():
+                    return
+            self._engine._check_waiter_alive()
+
+    async def _next_async(self) -> RequestOutput | None:
+        box: list[Any] = []
+
+        def ready() -> bool:
+            out = self._take_locked()
+            if out is self._NOTHING:
+                return False
+            box.append(out)
+            return True
+
+        await self._wait_async(ready)
+        return box[0]
+
+    async def result_async(self) -> RequestOutput:
+        """``await h``: wait for the final output on any asyncio or trio loop."""
+        await self._wait_async(lambda: self._final is not None)
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        assert self._final is not None
+        return self._final
+
+    def __await__(self) -> Generator[Any, None, RequestOutput]:
+        return self.result_async().__await__()
+
+    async def cancel_async(self) -> RequestOutput | None:
+        """Abort this request and await the core's confirmation; return the final output."""
+        return await self._engine._abort_handle_async(self)
+
+
+class _AsyncStream:
+    """The async iterator of one handle; leaving it early cancels the request."""
+
+    __slots__ = ("_handle", "_done", "__weakref__")
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self._handle = handle
+        self._done = False
+
+    def __aiter__(self) -> _AsyncStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._handle._next_async()
+        except BaseException:
+            # Cancelled task, KeyboardInterrupt, dead engine: the request must not run on.
+            self._done = True
+            self._handle._cancel_quietly(block=False)
+            raise
+        if out is None:
+            self._done = True
+            raise StopAsyncIteration
+        if out.finished:
+            self._done = True
+        return out
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._handle._cancel_quietly(block=False)
+
+    def __del__(self) -> None:
+        # `break` out of `async for` drops the iterator: cancel what is still running.
+        if not self._done:
+            self._done = True
+            try:
+                self._handle._cancel_quietly(block=False)
+            except Exception:
+                pass

@@ -1,0 +1,490 @@
+"""Turns the core's output batches into user-visible ``RequestOutput``s.
+
+Runs on the ``nbengine-loop`` thread only; all state here is owned by that thread.
+
+Registry invariant (DESIGN.md section 3): ``requests`` maps a user id to its live
+incarnation from registration until its final output has been delivered, and
+``keys`` maps every internal key the core may still hold to its child state. So the
+set the frontend considers live always contains the set the core holds. Outputs are
+routed by key only: an output whose key is unknown (an earlier incarnation, a
+released key) is dropped.
+
+A completion (child) is final only once the core names its key in a batch's
+``finished`` set. For stop strings (decided here) and user aborts the child goes
+RELEASING, an ABORT for its key is sent, and its final output waits for that
+confirmation. A request (parent) is final when all its children are.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from nbengine.core.messages import EngineCoreOutput, EngineCoreOutputs, StepStats
+from nbengine.frontend.detokenizer import IncrementalDetokenizer, TokenizerLike
+from nbengine.frontend.events import LifecycleEvent
+from nbengine.frontend.handles import RequestHandle
+from nbengine.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from nbengine.request import EngineDeadError, FinishReason, RequestStatus
+from nbengine.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["ChildState", "LiveRequest", "OutputProcessor"]
+
+logger = logging.getLogger(__name__)
+
+_LIVE_CORE_STATUSES = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+_STATUS_OF_REASON = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(slots=True, eq=False)
+class ChildState:
+    """One completion of a request: one internal key, one incarnation in the core."""
+
+    key: str
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    status: RequestStatus = RequestStatus.QUEUED
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    sent_tokens: int = 0  # output ids already covered by the stream
+    sent_chars: int = 0  # chars of detok.text already covered by the stream
+    sent_logprobs: int = 0
+    final_sent: bool = False
+    released: bool = False  # the core confirmed it no longer holds `key`
+    abort_sent: bool = False
+    finish_reason: FinishReason | None = None  # set when released
+    stop_reason: int | str | None = None
+    core_finish: EngineCoreOutput | None = None  # the core's own finish, if it decided
+    error: str | None = None
+
+    def visible_text(self) -> str:
+        """The text that may be shown now (held-back chars excluded while live)."""
+        text = self.detok.text
+        return text[: self.detok.streamable_len(self.released)]
+
+
+@dataclass(slots=True, eq=False)
+class LiveRequest:
+    """One incarnation of a user request id, with its ``n`` children."""
+
+    request_id: str
+    incarnation: int
+    handle: RequestHandle
+    params: SamplingParams
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[ChildState]
+    metrics: RequestMetrics
+    stream_interval: int
+    done_future: Future[RequestOutput] = field(default_factory=Future)
+    abort_requested: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.QUEUED
+    finalized: bool = False
+
+
+class OutputProcessor:
+    """Frontend request state: routing, detokenization, stop strings, n>1 fan-in."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        send_abort: Callable[[list[str]], None],
+        on_event: Callable[[LifecycleEvent], None],
+        on_step: Callable[[StepStats], None],
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._send_abort = send_abort
+        self._on_event = on_event
+        self._on_step = on_step
+        self.requests: dict[str, LiveRequest] = {}
+        self.keys: dict[str, ChildState] = {}
+        self._parent_of: dict[str, LiveRequest] = {}
+        self.last_step: int | None = None
+        self._token_text_cache: dict[int, str] = {}
+
+    # ---------------------------------------------------------------- registry
+
+    def add(self, live: LiveRequest) -> None:
+        """Register a new incarnation (its id must not be live)."""
+        assert live.request_id not in self.requests
+        self.requests[live.request_id] = live
+        live.handle._live = live
+        for child in live.children:
+            self.keys[child.key] = child
+            self._parent_of[child.key] = live
+            self._transition(live, child, RequestStatus.QUEUED)
+
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def _emit_event(
+        self, live: LiveRequest, child: ChildState, old: RequestStatus | None, new: RequestStatus
+    ) -> None:
+        try:
+            self._on_event(
+                LifecycleEvent(
+                    request_id=live.request_id,
+                    key=child.key,
+                    from_status=old,
+                    to_status=new,
+                    time=time.monotonic(),
+                    wall_time=time.time(),
+                    num_output_tokens=len(child.detok.token_ids),
+                    step=self.last_step,
+                )
+            )
+        except Exception:
+            logger.exception("lifecycle event hook failed")
+
+    def _transition(self, live: LiveRequest, child: ChildState, new: RequestStatus) -> None:
+        old = None if new is RequestStatus.QUEUED else child.status
+        if old is new:
+            return
+        child.status = new
+        self._emit_event(live, child, old, new)
+        live.status = self._parent_status(live)
+        if not live.finalized:
+            live.handle._status = live.status
+
+    @staticmethod
+    def _parent_status(live: LiveRequest) -> RequestStatus:
+        statuses = [c.status for c in live.children]
+        if len(statuses) == 1:
+            return statuses[0]
+        live_ones = [s for s in statuses if not RequestStatus.is_finished(s)]
+        if not live_ones:
+            return statuses[0]
+        for s in (RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.WAITING,
+                  RequestStatus.QUEUED):
+            if s in live_ones:
+                return s
+        return RequestStatus.RELEASING
+
+    # ------------------------------------------------------------------- abort
+
+    def request_abort(self, live: LiveRequest) -> Future[RequestOutput]:
+        """Start aborting ``live``: RELEASING, ABORT its unreleased keys; return its future."""
+        if live.finalized:
+            return live.done_future
+        live.abort_requested = True
+        keys: list[str] = []
+        for child in live.children:
+            if child.released:
+                continue
+            if child.status is not RequestStatus.RELEASING:
+                self._transition(live, child, RequestStatus.RELEASING)
+            if not child.abort_sent:
+                child.abort_sent = True
+                keys.append(child.key)
+        if keys:
+            self._send_abort(keys)
+        return live.done_future
+
+    # ----------------------------------------------------------------- outputs
+
+    def process(self, batch: EngineCoreOutputs) -> None:
+        """Apply one core batch: events, new tokens, confirmations; deliver outputs."""
+        if batch.step is not None:
+            self.last_step = batch.step.step
+            try:
+                self._on_step(batch.step)
+            except Exception:
+                logger.exception("step hook failed")
+        now = time.monotonic()
+        touched: dict[str, LiveRequest] = {}
+        updated: set[str] = set()
+        for ev in batch.events:
+            child = self.keys.get(ev.request_id)
+            if child is None or ev.status not in _LIVE_CORE_STATUSES:
+                continue  # FINISHED_* are applied from `finished`, below
+            if child.status is RequestStatus.RELEASING or child.released:
+                continue  # the finish is decided; never move back
+            live = self._parent_of[child.key]
+            if ev.status is RequestStatus.RUNNING and live.metrics.first_scheduled_time is None:
+                live.metrics.first_scheduled_time = ev.time
+            elif ev.status is RequestStatus.PREEMPTED:
+                live.metrics.num_preemptions += 1
+            self._transition(live, child, ev.status)
+        for out in batch.outputs:
+            child = self.keys.get(out.request_id)
+            if child is None:
+                continue  # stale key: an earlier incarnation, or already released
+            live = self._parent_of[child.key]
+            if out.num_cached_tokens:
+                live.num_cached_tokens = max(live.num_cached_tokens, out.num_cached_tokens)
+            if out.new_prompt_logprobs:
+                self._add_prompt_logprobs(live, out.new_prompt_logprobs)
+            if out.finished:
+                child.core_finish = out
+            if child.detok.finished:
+                continue  # a stop string already ended it: later tokens are dropped
+            if out.new_token_ids:
+                self._add_tokens(live, child, out, now)
+                updated.add(child.key)
+                touched[live.request_id] = live
+        for key in batch.finished:
+            child = self.keys.pop(key, None)
+            if child is None:
+                continue
+            live = self._parent_of.pop(key)
+            self._release(live, child)
+            updated.add(key)
+            touched[live.request_id] = live
+        for live in touched.values():
+            self._publish(live, updated, now)
+        if batch.engine_error is not None:
+            self.fail_all(f"The engine core failed: {batch.engine_error}")
+
+    def _add_prompt_logprobs(
+        self, live: LiveRequest, new: list[PositionLogprobs | None]
+    ) -> None:
+        for pos in new:
+            if pos is not None:
+                self._fill_decoded(pos)
+        if live.prompt_logprobs is None:
+            live.prompt_logprobs = []
+        live.prompt_logprobs.extend(new)
+
+    def _fill_decoded(self, pos: PositionLogprobs) -> None:
+        for tid, lp in pos.items():
+            if lp.decoded_token is None:
+                text = self._token_text_cache.get(tid)
+                if text is None:
+                    text = self._tokenizer.decode([tid], skip_special_tokens=False)
+                    if len(self._token_text_cache) < 200_000:
+                        self._token_text_cache[tid] = text
+                lp.decoded_token = text
+
+    def _add_tokens(
+        self, live: LiveRequest, child: ChildState, out: EngineCoreOutput, now: float
+    ) -> None:
+        ids = out.new_token_ids
+        if live.metrics.first_token_time is None:
+            live.metrics.first_token_time = now
+        live.metrics.last_token_time = now
+        if out.new_logprobs is not None:
+            if child.logprobs is None:
+                child.logprobs = []
+                child.cumulative_logprob = 0.0
+            for tid, pos in zip(ids, out.new_logprobs):
+                self._fill_decoded(pos)
+                child.logprobs.append(pos)
+                chosen = pos.get(tid)
+                if chosen is not None and child.cumulative_logprob is not None:
+                    child.cumulative_logprob += chosen.logprob
+        # EOS / a stop token ends the completion: its text is shown only if asked for.
+        hide_last = (
+            out.finish_reason is FinishReason.STOP
+            and (out.stop_reason is None or isinstance(out.stop_reason, int))
+            and not child.params.include_stop_str_in_output
+        )
+        stop = child.detok.update(ids, exclude_last_text=hide_last)
+        if stop is not None and not out.finished and not child.released:
+            # Decided here: the core still runs it. RELEASING until it confirms.
+            self._transition(live, child, RequestStatus.RELEASING)
+            if not child.abort_sent:
+                child.abort_sent = True
+                self._send_abort([child.key])
+
+    def _release(self, live: LiveRequest, child: ChildState) -> None:
+        """The core confirmed that it no longer holds ``child.key``: decide its finish."""
+        child.released = True
+        core = child.core_finish
+        if live.abort_requested:
+            reason, stop_reason, status = FinishReason.ABORT, None, RequestStatus.FINISHED_ABORTED
+        elif child.detok.stop_string is not None:
+            reason, stop_reason = FinishReason.STOP, child.detok.stop_string
+            status = RequestStatus.FINISHED_STOPPED
+        elif core is not None and core.finish_reason is not None:
+            reason, stop_reason = core.finish_reason, core.stop_reason
+            status = (
+                core.status
+                if RequestStatus.is_finished(core.status)
+                else _STATUS_OF_REASON[core.finish_reason]
+            )
+            child.error = core.error
+        else:
+            reason, stop_reason = FinishReason.ABORT, None
+            status = RequestStatus.FINISHED_ABORTED
+        child.finish_reason = reason
+        child.stop_reason = stop_reason
+        child.detok.finish()
+        self._transition(live, child, status)
+
+    # --------------------------------------------------------------- publishing
+
+    def _completion(self, child: ChildState, delta: bool) -> CompletionOutput:
+        text = child.detok.text
+        end = child.detok.streamable_len(child.released)
+        ids = child.detok.token_ids
+        if delta:
+            c = CompletionOutput(
+                index=child.index,
+                text=text[child.sent_chars : end],
+                token_ids=ids[child.sent_tokens :],
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=(
+                    child.logprobs[child.sent_logprobs :] if child.logprobs is not None else None
+                ),
+            )
+        else:
+            c = CompletionOutput(
+                index=child.index,
+                text=text[:end],
+                token_ids=list(ids),
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=list(child.logprobs) if child.logprobs is not None else None,
+            )
+        child.sent_chars = max(child.sent_chars, end)
+        child.sent_tokens = len(ids)
+        child.sent_logprobs = len(child.logprobs) if child.logprobs is not None else 0
+        if child.released:
+            c.finish_reason = str(child.finish_reason)
+            c.stop_reason = child.stop_reason
+            child.final_sent = True
+        return c
+
+    def _full_output(self, live: LiveRequest) -> RequestOutput:
+        comps = []
+        for child in live.children:
+            comps.append(
+                CompletionOutput(
+                    index=child.index,
+                    text=child.detok.text,
+                    token_ids=list(child.detok.token_ids),
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=list(child.logprobs) if child.logprobs is not None else None,
+                    finish_reason=str(child.finish_reason) if child.finish_reason is not None else None,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        errors = [c.error for c in live.children if c.error]
+        return RequestOutput(
+            request_id=live.request_id,
+            prompt=live.prompt,
+            prompt_token_ids=live.prompt_token_ids,
+            outputs=comps,
+            finished=True,
+            status=live.status,
+            metrics=live.metrics,
+            prompt_logprobs=live.prompt_logprobs,
+            num_cached_tokens=live.num_cached_tokens,
+            error=errors[0] if errors else None,
+        )
+
+    def _publish(self, live: LiveRequest, updated: set[str], now: float) -> None:
+        if live.finalized:
+            return
+        all_released = all(c.released for c in live.children)
+        kind = live.params.output_kind
+        stream_out: RequestOutput | None = None
+        if kind is not RequestOutputKind.FINAL_ONLY:
+            delta = kind is RequestOutputKind.DELTA
+            comps: list[CompletionOutput] = []
+            for child in live.children:
+                if child.key not in updated or child.final_sent:
+                    continue
+                if not child.released:
+                    if child.detok.finished:
+                        continue  # stop string: everything goes out with the final output
+                    n = len(child.detok.token_ids)
+                    first = child.sent_tokens == 0 and n > 0
+                    if not first and n - child.sent_tokens < live.stream_interval:
+                        continue
+                comps.append(self._completion(child, delta))
+            if comps:
+                prompt_lp = live.prompt_logprobs
+                if delta:
+                    prompt_lp = None if live.prompt_logprobs_sent else live.prompt_logprobs
+                if prompt_lp is not None:
+                    live.prompt_logprobs_sent = True
+                stream_out = RequestOutput(
+                    request_id=live.request_id,
+                    prompt=live.prompt,
+                    prompt_token_ids=live.prompt_token_ids,
+                    outputs=comps,
+                    finished=all_released,
+                    status=live.status,
+                    metrics=live.metrics,
+                    prompt_logprobs=prompt_lp,
+                    num_cached_tokens=live.num_cached_tokens,
+                )
+        if not all_released:
+            if stream_out is not None:
+                live.handle._deliver(stream_out)
+            return
+        self._finalize(live, stream_out, now, error=None)
+
+    def _finalize(
+        self,
+        live: LiveRequest,
+        stream_out: RequestOutput | None,
+        now: float,
+        error: EngineDeadError | None,
+    ) -> None:
+        """Deliver the final output and free the id (the core holds none of its keys)."""
+        live.finalized = True
+        live.metrics.finished_time = now
+        final = self._full_output(live)
+        if live.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            stream_out = self._full_output(live)
+        elif stream_out is None:
+            # Every child's last completion went out earlier; close the stream anyway.
+            stream_out = RequestOutput(
+                request_id=live.request_id,
+                prompt=live.prompt,
+                prompt_token_ids=live.prompt_token_ids,
+                outputs=[],
+                finished=True,
+                status=live.status,
+                metrics=live.metrics,
+                num_cached_tokens=live.num_cached_tokens,
+            )
+        stream_out.finished = True
+        stream_out.status = final.status
+        # Free the id first: a consumer that sees the final output may reuse it at once.
+        if self.requests.get(live.request_id) is live:
+            del self.requests[live.request_id]
+        live.handle._deliver(None if error is not None else stream_out, final, error)
+        if not live.done_future.done():
+            live.done_future.set_result(final)
+
+    # ----------------------------------------------------------------- failure
+
+    def fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
+        """Finish every live request at once (the core is dead or shut down)."""
+        now = time.monotonic()
+        status = _STATUS_OF_REASON[reason]
+        for live in list(self.requests.values()):
+            for child in live.children:
+                if child.released:
+                    continue
+                child.released = True
+                child.finish_reason = reason
+                child.stop_reason = None
+                child.error = message
+                child.detok.finish()
+                self.keys.pop(child.key, None)
+                self._parent_of.pop(child.key, None)
+                self._transition(live, child, status)
+            self._finalize(live, None, now, error=EngineDeadError(message))
+        self.requests.clear()
+        self.keys.clear()
+        self._parent_of.clear()

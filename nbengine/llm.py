@@ -1,0 +1,138 @@
+"""``LLM``: vLLM's offline batch API on top of ``Engine``."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nbengine.frontend.engine import Engine
+from nbengine.frontend.handles import RequestHandle
+from nbengine.outputs import RequestOutput
+from nbengine.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["LLM"]
+
+Prompt = str | Sequence[int]
+
+
+def _is_token_ids(x: object) -> bool:
+    return (
+        isinstance(x, Sequence)
+        and not isinstance(x, (str, bytes))
+        and len(x) > 0
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    )
+
+
+class LLM:
+    """Offline generation: ``LLM(model).generate(prompts, params)`` -> outputs in input order.
+
+    Keyword arguments are those of ``Engine``. One engine per ``LLM``; release it with
+    ``shutdown()`` or ``with LLM(...) as llm:`` (it is also shut down at exit).
+    """
+
+    def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
+        self.engine = Engine(model, **kwargs)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (str or token ids) and return outputs in input order.
+
+        ``sampling_params`` is one ``SamplingParams`` for all prompts or a list with one
+        per prompt. Outputs are FINAL_ONLY. A tqdm progress bar shows prompts done and
+        output tokens/s (``use_tqdm=False`` turns it off). KeyboardInterrupt aborts the
+        unfinished requests and re-raises.
+        """
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
+        elif isinstance(prompts, Sequence):
+            prompt_list = list(prompts)
+        else:
+            raise TypeError(
+                f"prompts must be a str, a list of token ids, or a list of either; got "
+                f"{type(prompts).__name__}."
+            )
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"Got {len(params_list)} sampling params for {len(prompt_list)} prompts; "
+                    "give one SamplingParams or one per prompt."
+                )
+        final_params: list[SamplingParams] = []
+        for sp in params_list:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}.")
+            sp = sp.clone()
+            sp.output_kind = RequestOutputKind.FINAL_ONLY
+            final_params.append(sp)
+        # Validate everything first, so a bad prompt leaves no request behind.
+        prepared = [
+            self.engine._prepare(p, sp, None, 0) for p, sp in zip(prompt_list, final_params)
+        ]
+        done_q: queue.Queue[int] = queue.Queue()
+        handles: list[RequestHandle] = []
+        try:
+            for i, prep in enumerate(prepared):
+                h = self.engine._call_on_loop(self.engine._register, prep)
+                h._add_done_callback(lambda _h, i=i: done_q.put(i))
+                handles.append(h)
+            return self._collect(handles, done_q, use_tqdm)
+        except BaseException:
+            unfinished = [h for h in handles if not h.done()]
+            for h in unfinished:
+                try:
+                    h.cancel()
+                except Exception:
+                    pass
+            raise
+
+    def _collect(
+        self, handles: list[RequestHandle], done_q: queue.Queue[int], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(handles), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        start = time.monotonic()
+        out_tokens = 0
+        remaining = len(handles)
+        try:
+            while remaining:
+                try:
+                    i = done_q.get(timeout=0.1)
+                except queue.Empty:
+                    self.engine._check_waiter_alive()
+                    continue
+                remaining -= 1
+                final = handles[i].final_output
+                if final is not None:
+                    out_tokens += sum(len(c.token_ids) for c in final.outputs)
+                elapsed = max(time.monotonic() - start, 1e-9)
+                bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} toks/s", refresh=False)
+                bar.update(1)
+        finally:
+            bar.close()
+        return [h.result() for h in handles]
+
+    def shutdown(self) -> None:
+        """Stop the engine and free the model; idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
