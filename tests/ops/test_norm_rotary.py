@@ -1,0 +1,56 @@
+"""RMSNorm and rotary embeddings: fast path == reference, llama3 scaling == transformers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nbengine.ops.rms_norm import rms_norm, rms_norm_ref
+from nbengine.ops.rotary import RotaryEmbedding, apply_rotary_ref, rope_inv_freq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 3, 48, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=tol, rtol=tol)
+    # Normalised rows have unit RMS before scaling.
+    out = rms_norm(x.float(), torch.ones(48), 1e-6)
+    torch.testing.assert_close(out.pow(2).mean(-1), torch.ones(7, 3), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rotary_cached_tables_match_reference(scaling: dict | None) -> None:
+    g = torch.Generator().manual_seed(1)
+    rot = RotaryEmbedding(32, 512, 10000.0, scaling)
+    pos = torch.tensor([0, 1, 5, 100, 511, 3])
+    q, k = torch.randn(6, 4, 32, generator=g), torch.randn(6, 2, 32, generator=g)
+    q1, k1 = rot(pos, q, k)
+    q2, k2 = apply_rotary_ref(q, k, pos, rope_inv_freq(32, 10000.0, scaling))
+    torch.testing.assert_close(q1, q2, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+    # Rotation preserves norms and position 0 is the identity.
+    torch.testing.assert_close(q1.norm(dim=-1), q.norm(dim=-1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q1[0], q[0])
+
+
+def test_llama3_inv_freq_matches_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
+                      rope_scaling=dict(scaling), rope_theta=500000.0)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    ours = rope_inv_freq(64, 500000.0, scaling)
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-7, rtol=1e-5)
+    # Scaling changes the low frequencies and leaves the highest one alone.
+    plain = rope_inv_freq(64, 500000.0, None)
+    assert ours[0] == plain[0] and math.isclose(float(ours[-1]), float(plain[-1]) / 8, rel_tol=1e-5)
