@@ -53,7 +53,12 @@ class RunnerLike(Protocol):
 
 
 class EngineCore:
-    """Scheduler + KV cache + model runner, stepped one batch at a time."""
+    """Scheduler + KV cache + model runner, stepped one batch at a time.
+
+    Not thread-safe: every method is called from one thread at a time (the
+    ``nbengine-core`` thread once ``run_busy_loop`` runs; other threads talk to it
+    only through the input queue).
+    """
 
     def __init__(self, config: EngineConfig, runner: RunnerLike | None = None) -> None:
         if runner is None:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nbengine.config import EngineConfig
 from nbengine.core.kv_cache import KVCacheManager
 from nbengine.core.messages import EngineCoreOutput, StatusEvent
 from nbengine.core.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from nbengine.outputs import PositionLogprobs
 from nbengine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -157,7 +159,7 @@ class Scheduler:
                     f"{self.max_num_batched_tokens} and chunked prefill is disabled")
         return None
 
-    def finish_requests(self, request_ids: str | list[str] | set[str] | tuple[str, ...],
+    def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> int:
         """Remove held requests with a terminal ``status``; unknown keys are ignored.
 
@@ -327,7 +329,9 @@ class Scheduler:
                 outputs.append(out)
         return outputs
 
-    def _new_prompt_logprobs(self, chunk: ScheduledChunk, lps: list) -> list | None:
+    def _new_prompt_logprobs(
+        self, chunk: ScheduledChunk, lps: list[PositionLogprobs | None]
+    ) -> list[PositionLogprobs | None] | None:
         """The runner's prompt logprobs for positions not forwarded before (once each)."""
         request = chunk.request
         # The list ends at the last prompt position whose predecessor was computed here.
