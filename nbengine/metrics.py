@@ -294,6 +294,9 @@ class MetricsLog:
             if rec.num_output_tokens > s.output_tokens:
                 self.total_output_tokens += rec.num_output_tokens - s.output_tokens
                 s.output_tokens = rec.num_output_tokens
+            if RequestStatus.is_finished(rec.to_status):
+                # The frontend's count is final (tokens after a stop string are dropped).
+                s.output_tokens = rec.num_output_tokens
             if rec.to_status == RequestStatus.RUNNING and s.first_scheduled_time is None:
                 s.first_scheduled_time = rec.time
             elif rec.to_status == RequestStatus.PREEMPTED:
@@ -320,7 +323,7 @@ class MetricsLog:
         """
         with self._lock:
             s = self._requests.get(key)
-            if s is None:
+            if s is None or s.finished:
                 return
             if num_cached_tokens is not None and num_cached_tokens >= 0:
                 s.num_cached_tokens = num_cached_tokens
@@ -345,6 +348,20 @@ class MetricsLog:
                 s.output_tokens = num_output_tokens
             self._version += 1
 
+    def on_token_delta(
+        self,
+        key: str,
+        num_new_tokens: int,
+        now: float,
+        num_cached_tokens: int | None = None,
+    ) -> None:
+        """``on_tokens`` with a count of new tokens instead of the running total."""
+        with self._lock:
+            s = self._requests.get(key)
+            total = None if s is None else s.timed_tokens + num_new_tokens
+        if total is not None:
+            self.on_tokens(key, total, now, num_cached_tokens)
+
     def on_step(self, stats: StepStats) -> None:
         """Record one engine step."""
         with self._lock:
@@ -363,6 +380,30 @@ class MetricsLog:
         with self._lock:
             return [_row(s) for s in self._requests.values()]
 
+    def overview(self, limit: int) -> tuple[list[RequestRow], dict[RequestStatus, int]]:
+        """Up to ``limit`` rows for a live table, and the count of held requests per status.
+
+        Live requests come first (arrival order), then the most recently arrived finished
+        ones. Cheap enough to call at 10 Hz: only the returned rows are copied.
+        """
+        with self._lock:
+            counts: dict[RequestStatus, int] = {}
+            live: list[RequestSummary] = []
+            for s in self._requests.values():
+                counts[s.status] = counts.get(s.status, 0) + 1
+                if not s.finished and len(live) < limit:
+                    live.append(s)
+            chosen = live
+            if len(chosen) < limit:
+                recent: list[RequestSummary] = []
+                for s in reversed(self._requests.values()):
+                    if len(chosen) + len(recent) >= limit:
+                        break
+                    if s.finished:
+                        recent.append(s)
+                chosen = live + recent
+            return [_row(s) for s in chosen], counts
+
     def request_row(self, key: str) -> RequestRow | None:
         """One request's summary (None if unknown or evicted)."""
         with self._lock:
@@ -374,6 +415,17 @@ class MetricsLog:
         with self._lock:
             steps = list(self._steps)
         return steps if n is None else steps[-n:]
+
+    def steps_since(self, since: float) -> list[StepStats]:
+        """Held steps that started at or after ``since`` (monotonic), oldest first."""
+        with self._lock:
+            out: list[StepStats] = []
+            for st in reversed(self._steps):
+                if st.start_time < since:
+                    break
+                out.append(st)
+        out.reverse()
+        return out
 
     def latest_step(self) -> StepStats | None:
         with self._lock:

@@ -1,0 +1,278 @@
+"""``engine.dashboard()``: the live engine dashboard.
+
+Parts: a table of requests (id, status badge, tokens, TTFT, age, a Cancel button per
+live row), a "Cancel all" button, the KV cache usage (a progress bar with blocks used /
+total and the prefix-cache hit rate) and plotly ``FigureWidget`` charts of throughput
+and running/waiting counts over time.
+
+Every widget is created once, on the caller's thread: the table is a fixed pool of
+rows that the UI updater binds to requests (showing, hiding and relabelling rows are
+trait changes). Row buttons look up the request bound to their row when clicked.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+
+from nbengine.dashboard.style import badge_html, format_seconds
+from nbengine.request import RequestStatus
+
+if TYPE_CHECKING:
+    from nbengine.dashboard.monitor import EngineMonitor
+    from nbengine.metrics import RequestRow
+
+__all__ = ["Dashboard", "DashboardView"]
+
+DEFAULT_ROWS = 12
+CHART_WINDOW_S = 120.0  # the charts show this much recent history
+CHART_EVERY_TICKS = 5  # charts refresh at ~2 Hz, the table at ~10 Hz
+THROUGHPUT_BIN_S = 1.0
+MAX_CHART_POINTS = 400
+
+_COLS = (("request", "150px"), ("status", "190px"), ("tokens", "70px"), ("TTFT", "80px"),
+         ("age", "80px"), ("", "90px"))
+_UNSET: Any = object()
+
+
+def _cell(text: str, width: str, cls: str) -> widgets.HTML:
+    w = widgets.HTML(text, layout=widgets.Layout(width=width))
+    w.add_class(cls)
+    return w
+
+
+class _Row:
+    """One pooled table row; ``key``/``request_id`` name the request shown (None: hidden)."""
+
+    def __init__(self, index: int) -> None:
+        self.request_id: str | None = None
+        self.key: str | None = None
+        self.cancelled = False
+        self.id_cell = _cell("", _COLS[0][1], "nbengine-row-id")
+        self.badge = _cell("", _COLS[1][1], "nbengine-row-status")
+        self.tokens = _cell("", _COLS[2][1], "nbengine-row-tokens")
+        self.ttft = _cell("", _COLS[3][1], "nbengine-row-ttft")
+        self.age = _cell("", _COLS[4][1], "nbengine-row-age")
+        self.cancel = widgets.Button(
+            description="Cancel", button_style="danger", layout=widgets.Layout(width=_COLS[5][1])
+        )
+        self.cancel.add_class("nbengine-row-cancel")
+        self.box = widgets.HBox(
+            [self.id_cell, self.badge, self.tokens, self.ttft, self.age, self.cancel],
+            layout=widgets.Layout(display="none", align_items="center"),
+        )
+        self.box.add_class("nbengine-row")
+
+
+class Dashboard(widgets.VBox):
+    """The live dashboard widget of one engine (see the module docstring)."""
+
+    def __init__(self, monitor: EngineMonitor, max_rows: int = DEFAULT_ROWS) -> None:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        self.title = widgets.HTML("<b>nbengine</b>")
+        self.title.add_class("nbengine-dash-title")
+        self.cancel_all = widgets.Button(
+            description="Cancel all", icon="stop", button_style="danger",
+            layout=widgets.Layout(width="auto"),
+        )
+        self.cancel_all.add_class("nbengine-cancel-all")
+        head = widgets.HBox(
+            [_cell(f"<b>{name}</b>", width, "nbengine-col") for name, width in _COLS]
+        )
+        self.rows = [_Row(i) for i in range(max_rows)]
+        self.more = widgets.HTML("")
+        self.more.add_class("nbengine-more")
+        table = widgets.VBox([head, *[r.box for r in self.rows], self.more])
+        table.add_class("nbengine-table")
+        self.kv_bar = widgets.IntProgress(
+            value=0, min=0, max=1, description="KV cache", bar_style="info",
+            layout=widgets.Layout(width="360px"),
+        )
+        self.kv_label = widgets.HTML("")
+        self.kv_label.add_class("nbengine-kv")
+        kv = widgets.HBox([self.kv_bar, self.kv_label], layout=widgets.Layout(grid_gap="12px"))
+        fig = make_subplots(
+            rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "requests")
+        )
+        fig.add_trace(go.Scatter(name="generated tok/s", x=[], y=[], mode="lines"), 1, 1)
+        fig.add_trace(go.Scatter(name="prompt tok/s", x=[], y=[], mode="lines"), 1, 1)
+        fig.add_trace(go.Scatter(name="running", x=[], y=[], mode="lines",
+                                 line_shape="hv"), 1, 2)
+        fig.add_trace(go.Scatter(name="waiting", x=[], y=[], mode="lines",
+                                 line_shape="hv"), 1, 2)
+        fig.update_layout(height=280, margin=dict(l=40, r=10, t=40, b=30),
+                          legend=dict(orientation="h", y=-0.2))
+        fig.update_xaxes(title_text="seconds")
+        self.figure = go.FigureWidget(fig)
+        super().__init__(
+            [widgets.HBox([self.title, self.cancel_all],
+                          layout=widgets.Layout(grid_gap="16px", align_items="center")),
+             table, kv, self.figure]
+        )
+        self.add_class("nbengine-dashboard")
+        self.view = DashboardView(self, monitor)
+
+    def __repr__(self) -> str:
+        return "Dashboard()"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
+        data = super()._repr_mimebundle_(**kwargs)
+        if data is not None:
+            data["text/plain"] = "Dashboard()"
+        return data
+
+
+class DashboardView:
+    """Keeps a ``Dashboard`` up to date; refreshed by the UI updater under its lock."""
+
+    def __init__(self, dash: Dashboard, monitor: EngineMonitor) -> None:
+        self.dash = dash
+        self.monitor = monitor
+        self.trait_writes = 0
+        self._shown: dict[tuple[int, str], Any] = {}
+        self._ticks = 0
+        self._chart_version = -1
+        dash.cancel_all.on_click(self._on_cancel_all)
+        for row in dash.rows:
+            row.cancel.on_click(lambda _b, row=row: self._on_cancel_row(row))
+
+    # ------------------------------------------------------------ callbacks
+
+    def _on_cancel_row(self, row: _Row) -> None:
+        """Any thread: show RELEASING at once, schedule the abort, never block."""
+        with self.monitor.updater.lock:
+            rid, key = row.request_id, row.key
+            if rid is None or row.cancelled:
+                return
+            row.cancelled = True
+            self._set(row.cancel, "disabled", True)
+            self._set(row.badge, "value", badge_html(RequestStatus.RELEASING))
+        self.monitor.abort_nowait(rid, key)
+
+    def _on_cancel_all(self, _button: object = None) -> None:
+        with self.monitor.updater.lock:
+            for row in self.dash.rows:
+                if row.request_id is not None and not row.cancelled and not row.cancel.disabled:
+                    row.cancelled = True
+                    self._set(row.cancel, "disabled", True)
+                    self._set(row.badge, "value", badge_html(RequestStatus.RELEASING))
+        self.monitor.abort_all_nowait()
+
+    # -------------------------------------------------------------- refresh
+
+    def _set(self, w: widgets.Widget, name: str, value: Any) -> None:
+        k = (id(w), name)
+        if self._shown.get(k, _UNSET) == value:
+            return
+        self._shown[k] = value
+        setattr(w, name, value)
+        self.trait_writes += 1
+
+    def refresh(self) -> bool:
+        """Show the current state. Never final by itself: the updater stops at shutdown."""
+        now = time.monotonic()
+        metrics = self.monitor.metrics
+        rows, counts = metrics.overview(len(self.dash.rows))
+        self._refresh_table(rows, counts, now)
+        self._refresh_kv()
+        self._ticks += 1
+        if self._ticks % CHART_EVERY_TICKS == 1 or self.monitor.updater.stopped:
+            if metrics.version != self._chart_version:
+                self._chart_version = metrics.version
+                self._refresh_charts(now)
+        return False
+
+    def _refresh_table(self, rows: list[RequestRow], counts: dict[RequestStatus, int],
+                       now: float) -> None:
+        dash = self.dash
+        n_live = sum(c for s, c in counts.items() if not RequestStatus.is_finished(s))
+        n_done = sum(counts.values()) - n_live
+        by_status = Counter({s.name: c for s, c in counts.items() if c})
+        parts = ", ".join(f"{c} {name}" for name, c in sorted(by_status.items()))
+        alive = self.monitor.engine_alive()
+        state = "" if alive else " — engine stopped"
+        self._set(dash.title, "value",
+                  f"<b>nbengine</b> — {n_live} live, {n_done} finished{state}"
+                  f'<br><span style="font-size:11px;color:#666">{html.escape(parts)}</span>')
+        self._set(dash.cancel_all, "disabled", n_live == 0 or not alive)
+        for row, r in zip(dash.rows, rows + [None] * (len(dash.rows) - len(rows))):
+            self._refresh_row(row, r, now)
+        shown_live = sum(1 for r in rows if not RequestStatus.is_finished(r.status))
+        more = n_live - shown_live
+        self._set(dash.more, "value",
+                  f"<i>+ {more} more live requests</i>" if more > 0 else "")
+
+    def _refresh_row(self, row: _Row, r: RequestRow | None, now: float) -> None:
+        if r is None:
+            row.request_id = row.key = None
+            row.cancelled = False
+            self._set(row.box.layout, "display", "none")
+            return
+        if row.key != r.key:
+            row.cancelled = False
+        row.request_id, row.key = r.request_id, r.key
+        finished = RequestStatus.is_finished(r.status)
+        status = r.status
+        if row.cancelled and not finished:
+            status = RequestStatus.RELEASING
+        age = r.e2e_time if finished else now - r.arrival_time
+        self._set(row.box.layout, "display", "flex")
+        self._set(row.id_cell, "value",
+                  f'<span style="font-family:monospace">{html.escape(r.request_id)}</span>')
+        self._set(row.badge, "value", badge_html(status))
+        self._set(row.tokens, "value", str(r.output_tokens))
+        self._set(row.ttft, "value", format_seconds(r.ttft))
+        self._set(row.age, "value", format_seconds(age))
+        self._set(row.cancel, "disabled", finished or row.cancelled)
+        self._set(row.cancel.layout, "visibility", "hidden" if finished else "visible")
+
+    def _refresh_kv(self) -> None:
+        st = self.monitor.metrics.latest_step()
+        if st is None:
+            self._set(self.dash.kv_label, "value", "no steps yet")
+            return
+        total = max(st.kv_blocks_total, 1)
+        hit = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
+        self._set(self.dash.kv_bar, "max", total)
+        self._set(self.dash.kv_bar, "value", min(st.kv_blocks_used, total))
+        self._set(
+            self.dash.kv_label, "value",
+            f"{st.kv_blocks_used} / {st.kv_blocks_total} blocks "
+            f"({100 * st.kv_blocks_used / total:.0f}%) · prefix-cache hit rate {100 * hit:.0f}%",
+        )
+
+    def _refresh_charts(self, now: float) -> None:
+        metrics = self.monitor.metrics
+        origin = metrics.start_time
+        steps = metrics.steps_since(now - CHART_WINDOW_S)
+        if not steps:
+            return
+        gen: dict[int, int] = {}
+        prompt: dict[int, int] = {}
+        for st in steps:
+            b = math.floor((st.start_time - origin) / THROUGHPUT_BIN_S)
+            gen[b] = gen.get(b, 0) + st.num_decode_tokens
+            prompt[b] = prompt.get(b, 0) + st.num_prefill_tokens
+        first_bin, last_bin = min(gen), max(gen)
+        bins = list(range(first_bin, last_bin + 1))
+        xs = [round((b + 0.5) * THROUGHPUT_BIN_S, 3) for b in bins]
+        stride = max(1, len(steps) // MAX_CHART_POINTS)
+        sampled = steps[::stride]
+        if sampled[-1] is not steps[-1]:
+            sampled.append(steps[-1])
+        sx = [round(st.start_time - origin, 3) for st in sampled]
+        fig = self.dash.figure
+        with fig.batch_update():
+            fig.data[0].x, fig.data[0].y = xs, [gen.get(b, 0) / THROUGHPUT_BIN_S for b in bins]
+            fig.data[1].x, fig.data[1].y = xs, [prompt.get(b, 0) / THROUGHPUT_BIN_S
+                                                for b in bins]
+            fig.data[2].x, fig.data[2].y = sx, [st.num_running for st in sampled]
+            fig.data[3].x, fig.data[3].y = sx, [st.num_waiting for st in sampled]
+        self.trait_writes += 1

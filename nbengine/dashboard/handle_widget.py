@@ -1,0 +1,185 @@
+"""The live widget of one request: streaming text, status badge, tokens/s, Cancel.
+
+``HandleWidget`` is created on the caller's thread (``handle.widget()`` or displaying a
+handle). After that only the UI updater writes its traits, through ``HandleView.refresh``,
+and the Cancel button's callback (on whatever thread the kernel runs it: the main
+thread or a subshell thread) writes two traits under the same lock and schedules the
+abort on the engine loop without waiting for it.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+
+from nbengine.dashboard.style import badge_html
+from nbengine.request import RequestStatus
+
+if TYPE_CHECKING:
+    from nbengine.dashboard.updater import UIUpdater
+    from nbengine.frontend.handles import RequestHandle
+
+__all__ = ["HandleView", "HandleWidget", "handle_mimebundle", "stable_text"]
+
+MAX_SHOWN_CHARS = 100_000  # longer texts show their tail (the browser stays responsive)
+
+
+def stable_text(request_id: str) -> str:
+    """The text/plain form of a displayed handle: never changes while it runs (nbval)."""
+    return f"RequestHandle(request_id={request_id!r})"
+
+
+def _text_html(text: str) -> str:
+    if len(text) > MAX_SHOWN_CHARS:
+        text = "…" + text[-MAX_SHOWN_CHARS:]
+    return (
+        '<pre class="nbengine-text-pre" style="white-space:pre-wrap;word-break:break-word;'
+        'margin:0;max-height:16em;overflow-y:auto;font-size:12px">'
+        f"{html.escape(text)}</pre>"
+    )
+
+
+def _stats_html(num_tokens: int, rate: float | None) -> str:
+    rate_s = "–" if rate is None else f"{rate:.1f}"
+    return (
+        f'<span class="nbengine-stats" style="font-family:monospace;font-size:12px">'
+        f'<span class="nbengine-tokens">{num_tokens}</span> tokens · '
+        f'<span class="nbengine-rate">{rate_s}</span> tok/s</span>'
+    )
+
+
+class HandleWidget(widgets.VBox):
+    """The widget shown for a ``RequestHandle``: a VBox with a stable ``repr``.
+
+    Children: a header (status badge, request id, tokens and tokens/s, Cancel button)
+    and the text so far. Attributes ``badge``, ``title``, ``stats``, ``cancel_button``
+    and ``text`` are the parts; ``view`` keeps them up to date.
+    """
+
+    def __init__(self, request_id: str, **kwargs: Any) -> None:
+        self.request_id = request_id
+        self.badge = widgets.HTML(badge_html(RequestStatus.QUEUED))
+        self.badge.add_class("nbengine-badge")
+        self.title = widgets.HTML(
+            f'<b style="font-family:monospace">{html.escape(request_id)}</b>'
+        )
+        self.stats = widgets.HTML(_stats_html(0, None))
+        self.cancel_button = widgets.Button(
+            description="Cancel",
+            icon="stop",
+            button_style="danger",
+            tooltip=f"Abort request {request_id!r}",
+            layout=widgets.Layout(width="auto"),
+        )
+        self.cancel_button.add_class("nbengine-cancel")
+        self.text = widgets.HTML(_text_html(""))
+        self.text.add_class("nbengine-text")
+        header = widgets.HBox(
+            [self.badge, self.title, self.stats, self.cancel_button],
+            layout=widgets.Layout(align_items="center", grid_gap="12px"),
+        )
+        super().__init__([header, self.text], **kwargs)
+        self.add_class("nbengine-handle")
+        self.view: HandleView | None = None
+
+    def __repr__(self) -> str:
+        return f"HandleWidget(request_id={self.request_id!r})"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
+        data = super()._repr_mimebundle_(**kwargs)
+        if data is not None:
+            data["text/plain"] = stable_text(self.request_id)
+        return data
+
+
+class HandleView:
+    """Binds a ``HandleWidget`` to its ``RequestHandle``; refreshed by the UI updater."""
+
+    def __init__(self, handle: RequestHandle, widget: HandleWidget, updater: UIUpdater) -> None:
+        self.handle = handle
+        self.widget = widget
+        self.updater = updater
+        self.cancel_clicked = False
+        self.trait_writes = 0  # trait values actually changed (coalescing tests)
+        self._shown: dict[str, Any] = {}
+        widget.view = self
+        widget.cancel_button.on_click(self._on_cancel)
+
+    # ------------------------------------------------------------------ cancel
+
+    def _on_cancel(self, _button: object = None) -> None:
+        """Button callback (any thread): disable at once, show RELEASING, abort async.
+
+        Never blocks: the abort is scheduled on the engine loop; the updater shows
+        FINISHED_ABORTED once the core has confirmed it.
+        """
+        with self.updater.lock:
+            if self.cancel_clicked or self.handle.done():
+                return
+            self.cancel_clicked = True
+            self._set(self.widget.cancel_button, "disabled", True)
+            self._set(self.widget.badge, "value", badge_html(RequestStatus.RELEASING))
+        self.handle._engine._abort_handle_nowait(self.handle)
+
+    # ----------------------------------------------------------------- refresh
+
+    def _set(self, w: widgets.Widget, name: str, value: Any) -> None:
+        key = f"{id(w)}.{name}"
+        if self._shown.get(key, _UNSET) == value:
+            return
+        self._shown[key] = value
+        setattr(w, name, value)
+        self.trait_writes += 1
+
+    def refresh(self) -> bool:
+        """Show the handle's current state; True once its final state is shown."""
+        h = self.handle
+        snap = h.snapshot()
+        finished: bool = snap["finished"]
+        status: RequestStatus = snap["status"]
+        if self.cancel_clicked and not RequestStatus.is_finished(status):
+            status = RequestStatus.RELEASING
+        n = int(snap["num_output_tokens"])
+        first, last = snap["first_token_time"], snap["last_token_time"]
+        rate: float | None = None
+        if first is not None and last is not None and n > 1 and last > first:
+            rate = (n - 1) / (last - first)  # decode rate: tokens after the first one
+        w = self.widget
+        self._set(w.badge, "value", badge_html(status))
+        self._set(w.stats, "value", _stats_html(n, rate))
+        self._set(w.text, "value", _text_html(snap["text"]))
+        if snap["error"] and finished:
+            self._set(w.title, "tooltip", snap["error"])
+        done = finished and RequestStatus.is_finished(status)
+        self._set(w.cancel_button, "disabled", done or self.cancel_clicked)
+        if done:
+            self._set(w.cancel_button, "description", "Done")
+            self._set(w.cancel_button, "button_style", "")
+        return done
+
+
+_UNSET: Any = object()
+
+
+def make_handle_widget(handle: RequestHandle, updater: UIUpdater) -> HandleWidget:
+    """Create (on the caller's thread) the widget of ``handle`` and register its view."""
+    widget = HandleWidget(handle.request_id)
+    view = HandleView(handle, widget, updater)
+    with updater.lock:
+        done = view.refresh()  # the current state at once, before the first tick
+    if not done:
+        updater.add(view)
+    return widget
+
+
+def handle_mimebundle(handle: RequestHandle, widget: HandleWidget | None, **kwargs: Any
+                      ) -> dict[str, Any]:
+    """The display data of a handle: its widget's view, with a stable text/plain."""
+    plain = stable_text(handle.request_id)
+    if widget is None:
+        return {"text/plain": plain}
+    data = widgets.Widget._repr_mimebundle_(widget, **kwargs) or {}
+    data["text/plain"] = plain
+    return data

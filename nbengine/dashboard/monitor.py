@@ -1,0 +1,179 @@
+"""``EngineMonitor``: the engine's metrics log and UI, fed by the engine's hooks.
+
+The engine owns one monitor and calls, on its loop thread:
+``on_event(ev)`` for every lifecycle transition, ``on_step(stats)`` for every step and
+``on_core_outputs(batch)`` for every core batch (token arrival times). Readers on any
+thread use ``metrics`` (thread-safe), ``handle_widget()``, ``dashboard()`` and
+``plot_timeline()``. Widget modules (ipywidgets, plotly) are imported only when a
+widget or figure is first asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from nbengine.metrics import MetricsLog
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+    from nbengine.core.messages import EngineCoreOutputs, StepStats
+    from nbengine.dashboard.dashboard import Dashboard
+    from nbengine.dashboard.handle_widget import HandleWidget
+    from nbengine.dashboard.updater import UIUpdater
+    from nbengine.frontend.engine import Engine
+    from nbengine.frontend.events import LifecycleEvent
+    from nbengine.frontend.handles import RequestHandle
+
+__all__ = ["EngineMonitor"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineMonitor:
+    """Metrics and widgets of one engine (see the module docstring for the threads)."""
+
+    def __init__(self, engine: Engine, metrics: MetricsLog | None = None) -> None:
+        self._engine_ref = weakref.ref(engine)
+        self.metrics = metrics if metrics is not None else MetricsLog()
+        self._lock = threading.Lock()  # guards lazy creation below
+        self._updater: UIUpdater | None = None
+        self._dashboard: Dashboard | None = None
+        self._closed = False
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine_ref()
+        if engine is None:
+            raise RuntimeError("The engine of this monitor no longer exists.")
+        return engine
+
+    def engine_alive(self) -> bool:
+        """False once the engine failed, was shut down or was garbage collected."""
+        engine = self._engine_ref()
+        return engine is not None and engine.is_alive and not self._closed
+
+    # ------------------------------------------------------- hooks (loop thread)
+
+    def on_event(self, ev: LifecycleEvent) -> None:
+        if ev.from_status is None:  # QUEUED: the request was just registered
+            engine = self._engine_ref()
+            live = None if engine is None else engine._processor.requests.get(ev.request_id)
+            if live is not None:
+                self.metrics.on_request(
+                    ev.key, ev.request_id, len(live.prompt_token_ids),
+                    live.metrics.arrival_time,
+                )
+        self.metrics.on_event(ev)
+
+    def on_step(self, stats: StepStats) -> None:
+        self.metrics.on_step(stats)
+
+    def on_core_outputs(self, batch: EngineCoreOutputs) -> None:
+        """Token arrival times and prefix-cache hits of one core batch."""
+        now = time.monotonic()
+        for out in batch.outputs:
+            if out.new_token_ids or out.num_cached_tokens:
+                self.metrics.on_token_delta(
+                    out.request_id, len(out.new_token_ids), now,
+                    num_cached_tokens=out.num_cached_tokens or None,
+                )
+
+    # -------------------------------------------------------------- aborts (any)
+
+    def abort_nowait(self, request_id: str, key: str | None = None) -> None:
+        """Schedule an abort on the loop and return at once (widget callbacks use this).
+
+        With ``key`` only that incarnation is aborted: a newer request reusing the id
+        is left alone.
+        """
+        engine = self._engine_ref()
+        if engine is None or not engine.is_alive:
+            return
+
+        def on_loop() -> None:
+            live = engine._processor.requests.get(request_id)
+            if live is None or live.finalized:
+                return
+            if key is not None and all(c.key != key for c in live.children):
+                return
+            engine._processor.request_abort(live)
+
+        engine._call_soon(on_loop)
+
+    def abort_all_nowait(self) -> None:
+        """Schedule an abort of every live request and return at once."""
+        engine = self._engine_ref()
+        if engine is None or not engine.is_alive:
+            return
+
+        def on_loop() -> None:
+            for live in list(engine._processor.requests.values()):
+                if not live.finalized:
+                    engine._processor.request_abort(live)
+
+        engine._call_soon(on_loop)
+
+    # --------------------------------------------------------------- widgets
+
+    @property
+    def updater(self) -> UIUpdater:
+        """The engine's one UI updater (created on first use)."""
+        from nbengine.dashboard.updater import UIUpdater
+
+        with self._lock:
+            if self._updater is None:
+                self._updater = UIUpdater()
+                if self._closed:
+                    self._updater.stop()
+            return self._updater
+
+    def handle_widget(self, handle: RequestHandle) -> HandleWidget:
+        """The handle's live widget (one per handle, created on the first call's thread)."""
+        from nbengine.dashboard.handle_widget import make_handle_widget
+
+        with self._lock:
+            widget = getattr(handle, "_widget", None)
+        if widget is None:
+            widget = make_handle_widget(handle, self.updater)
+            with self._lock:
+                existing = getattr(handle, "_widget", None)
+                if existing is None:
+                    handle._widget = widget  # type: ignore[attr-defined]
+                else:
+                    widget = existing
+        return widget
+
+    def dashboard(self) -> Dashboard:
+        """The engine's live dashboard (one per engine; display it as often as you like)."""
+        from nbengine.dashboard.dashboard import Dashboard
+
+        with self._lock:
+            dash = self._dashboard
+        if dash is None:
+            dash = Dashboard(self)
+            with self._lock:
+                if self._dashboard is None:
+                    self._dashboard = dash
+                else:
+                    dash = self._dashboard
+            self.updater.add(dash.view)
+        return dash
+
+    def plot_timeline(self, **kwargs: Any) -> go.Figure:
+        """A static plotly Gantt chart of every request's statuses over time."""
+        from nbengine.dashboard.timeline import plot_timeline
+
+        return plot_timeline(self.metrics.event_records(), **kwargs)
+
+    def shutdown(self) -> None:
+        """Stop the UI updater after showing final states. Idempotent."""
+        with self._lock:
+            self._closed = True
+            updater = self._updater
+        if updater is not None:
+            updater.stop()

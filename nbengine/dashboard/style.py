@@ -1,0 +1,45 @@
+"""Colours and small HTML fragments shared by the widgets and the timeline."""
+
+from __future__ import annotations
+
+import html
+
+from nbengine.request import RequestStatus
+
+__all__ = ["STATUS_COLORS", "badge_html", "format_seconds"]
+
+# One colour per lifecycle status; the timeline uses the same ones.
+STATUS_COLORS: dict[RequestStatus, str] = {
+    RequestStatus.QUEUED: "#9e9e9e",
+    RequestStatus.WAITING: "#f5a623",
+    RequestStatus.RUNNING: "#1e88e5",
+    RequestStatus.PREEMPTED: "#8e24aa",
+    RequestStatus.RELEASING: "#fb8c00",
+    RequestStatus.FINISHED_STOPPED: "#2e7d32",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "#558b2f",
+    RequestStatus.FINISHED_ABORTED: "#c62828",
+    RequestStatus.FINISHED_IGNORED: "#6d4c41",
+    RequestStatus.FINISHED_ERROR: "#b71c1c",
+}
+
+
+def badge_html(status: RequestStatus) -> str:
+    """A coloured pill with the status name (the name is the element's whole text)."""
+    color = STATUS_COLORS[status]
+    return (
+        f'<span class="nbengine-badge-pill" data-status="{status.name}" '
+        f'style="background:{color};color:white;border-radius:9px;padding:1px 8px;'
+        f'font-family:monospace;font-size:11px;white-space:nowrap">'
+        f"{html.escape(status.name)}</span>"
+    )
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``1.23 s`` / ``45 ms`` / an en dash for unknown."""
+    if seconds is None or seconds != seconds:  # None or NaN
+        return "–"
+    if seconds < 1.0:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.2f} s"
+    return f"{seconds / 60:.1f} min"

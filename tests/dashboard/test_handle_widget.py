@@ -1,0 +1,136 @@
+"""The handle widget: streaming state, Cancel that aborts without blocking, stable repr."""
+
+from __future__ import annotations
+
+import threading
+
+import ipywidgets as widgets
+
+import nbengine as nb
+from dashboard_helpers import long_params, wait_until
+from nbengine.dashboard.handle_widget import HandleWidget
+from nbengine.request import RequestStatus
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+def _badge(w: HandleWidget) -> str:
+    return w.badge.value
+
+
+def test_displaying_a_handle_gives_its_widget_and_a_stable_text_form(engine: nb.Engine) -> None:
+    h = engine.generate("Once upon a time", long_params(), request_id="shown")
+    try:
+        bundle = h._repr_mimebundle_()
+        w = h.widget()
+        assert isinstance(w, HandleWidget)
+        assert h.widget() is w  # one widget per handle
+        assert bundle[WIDGET_MIME]["model_id"] == w.model_id
+        assert bundle["text/plain"] == "RequestHandle(request_id='shown')"
+        assert w._repr_mimebundle_()["text/plain"] == "RequestHandle(request_id='shown')"
+        wait_until(lambda: len(h.token_ids) >= 5, what="a few tokens")
+    finally:
+        h.cancel()
+    assert h._repr_mimebundle_()["text/plain"] == "RequestHandle(request_id='shown')"
+
+
+def test_widget_streams_text_and_shows_the_final_state(engine: nb.Engine) -> None:
+    params = nb.SamplingParams(max_tokens=40, ignore_eos=True)
+    h = engine.generate("The cat sat", params, request_id="stream")
+    w = h.widget()
+    view = w.view
+    assert view is not None
+    final = h.result()
+    updater = engine._monitor.updater
+    wait_until(lambda: view not in updater, what="the finished view to be dropped")
+    assert "FINISHED_LENGTH_CAPPED" in _badge(w)
+    assert w.cancel_button.disabled
+    assert '<span class="nbengine-tokens">40</span>' in w.stats.value
+    # The escaped text of the whole completion is shown.
+    import html
+
+    assert html.escape(final.outputs[0].text) in w.text.value
+
+
+def test_widget_of_a_finished_handle_shows_final_state_at_once(engine: nb.Engine) -> None:
+    h = engine.generate("Hello", nb.SamplingParams(max_tokens=3, ignore_eos=True))
+    h.result()
+    w = h.widget()
+    assert "FINISHED_LENGTH_CAPPED" in _badge(w)
+    assert w.cancel_button.disabled
+    assert w.view not in engine._monitor.updater
+
+
+def test_cancel_click_aborts_with_confirmation_and_frees_the_id(engine: nb.Engine) -> None:
+    h = engine.generate("Once upon a time", long_params(), request_id="click-me")
+    w = h.widget()
+    wait_until(lambda: h.status is RequestStatus.RUNNING, what="RUNNING")
+    w.cancel_button.click()
+    # At once, on the clicking thread: the button disables and the badge says RELEASING
+    # (or already the confirmed FINISHED_ABORTED).
+    assert w.cancel_button.disabled
+    assert "RELEASING" in _badge(w) or "FINISHED_ABORTED" in _badge(w)
+    final = h.result(timeout=60)
+    assert final.status is RequestStatus.FINISHED_ABORTED
+    assert final.outputs[0].finish_reason == "abort"
+    wait_until(lambda: "FINISHED_ABORTED" in _badge(w), what="the badge to show FINISHED_ABORTED")
+    # The id is free again: a new request with it runs to completion.
+    again = engine.generate("Once upon a time", nb.SamplingParams(max_tokens=5, ignore_eos=True),
+                            request_id="click-me")
+    out = again.result(timeout=60)
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_cancel_click_never_blocks_the_clicking_thread(engine: nb.Engine) -> None:
+    """The click returns while the engine loop is stuck: the abort is only scheduled."""
+    h = engine.generate("Once upon a time", long_params(), request_id="no-block")
+    w = h.widget()
+    wait_until(lambda: h.status is RequestStatus.RUNNING, what="RUNNING")
+    release = threading.Event()
+    stuck = threading.Event()
+
+    def block_loop() -> None:  # runs on the loop thread: nothing else runs there meanwhile
+        stuck.set()
+        release.wait(60)
+
+    engine._call_soon(block_loop)
+    assert stuck.wait(30)
+    try:
+        w.cancel_button.click()  # would hang here if it waited for the loop
+        assert w.cancel_button.disabled
+        assert not h.done()
+    finally:
+        release.set()
+    assert h.result(timeout=60).status is RequestStatus.FINISHED_ABORTED
+
+
+def test_cancel_click_from_another_thread(engine: nb.Engine) -> None:
+    """Kernel subshells run callbacks on their own threads."""
+    h = engine.generate("Once upon a time", long_params(), request_id="subshell")
+    w = h.widget()
+    wait_until(lambda: h.status is RequestStatus.RUNNING, what="RUNNING")
+    t = threading.Thread(target=w.cancel_button.click)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    assert h.result(timeout=60).outputs[0].finish_reason == "abort"
+
+
+def test_second_click_and_click_after_finish_are_harmless(engine: nb.Engine) -> None:
+    h = engine.generate("Hi", nb.SamplingParams(max_tokens=2, ignore_eos=True))
+    w = h.widget()
+    h.result()
+    w.cancel_button.click()
+    w.cancel_button.click()
+    assert h.final_output is not None
+    assert h.final_output.outputs[0].finish_reason == "length"
+
+
+def test_widget_is_an_ipywidget_with_text_not_output(engine: nb.Engine) -> None:
+    h = engine.generate("Hi", nb.SamplingParams(max_tokens=2, ignore_eos=True))
+    h.result()
+    w = h.widget()
+    assert isinstance(w, widgets.VBox)
+    assert isinstance(w.text, widgets.HTML)
+    assert not any(isinstance(c, widgets.Output) for c in w.children)
