@@ -72,7 +72,8 @@ class Driver:
                     self.stop_at_eos and s.token_id in r.eos_token_ids and not r.sampling_params.ignore_eos
                 ):
                     t.done = True
-                    self.free.extend(t.blocks)
+                    shared = {b for o in self.live if o is not t and not o.done for b in o.blocks}
+                    self.free.extend(b for b in t.blocks if b not in shared and b not in self.free)
                     t.blocks = []
             else:
                 assert r.request_id not in out.sampled

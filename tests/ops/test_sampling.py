@@ -105,7 +105,7 @@ def test_presence_and_frequency_penalties_use_output_tokens_only() -> None:
     assert Sampler()(logits[None].clone(), [r])[0] == [3]
     r = _req(SamplingParams(presence_penalty=1.0, **greedy), output=[3])
     assert Sampler()(logits[None].clone(), [r])[0] == [4]
-    # Frequency scales with the count: one 3 -> 2.5 ties... two 3s -> 3 - 2*0.4 = 2.2 < 2.5.
+    # Frequency scales with the count: one 3 -> 3 - 0.4 = 2.6 > 2.5; two -> 2.2 < 2.5.
     r1 = _req(SamplingParams(frequency_penalty=0.4, **greedy), output=[3])
     r2 = _req(SamplingParams(frequency_penalty=0.4, **greedy), output=[3, 3])
     assert Sampler()(logits.expand(2, V).clone(), [r1, r2])[0] == [3, 4]
