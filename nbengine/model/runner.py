@@ -130,7 +130,10 @@ class ModelRunner:
                 meta,
                 self.kv_caches,
             )
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows + plp_rows)])
+            rows = sample_rows + plp_rows
+            if not rows:  # only intermediate prefill chunks: nothing to sample
+                return out
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
             n_s = len(sample_rows)
             tokens, lps = self.sampler(logits[:n_s], [c.request for c in sample_chunks])
             for c, tok, lp in zip(sample_chunks, tokens, lps):

@@ -62,52 +62,64 @@ class AttentionMetadata:
     prefills: list[PrefillMeta] = field(default_factory=list)
 
 
-def _slots_for(block_table: Sequence[int], length: int, block_size: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(length)]
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots of ``positions`` given a request's ``block_table`` (both int64)."""
+    return block_table[positions // block_size] * block_size + positions % block_size
 
 
 def build_attention_metadata(
     chunks: Sequence[ChunkSpec], block_size: int, device: torch.device | str = "cpu"
 ) -> AttentionMetadata:
-    """Build the metadata for ``chunks`` in flattened order (single-token chunks first)."""
+    """Build the metadata for ``chunks`` in flattened order (single-token chunks first).
+
+    Work is vectorised per chunk (no Python loop over positions); decode gather tables
+    come from one padded block-table tensor.
+    """
     num_decodes = 0
     for c in chunks:
         if c.num_tokens != 1:
             break
         num_decodes += 1
     assert all(c.num_tokens > 1 for c in chunks[num_decodes:]), "decodes must come first"
-    slot_mapping: list[int] = []
     for c in chunks:
-        bt = c.block_table
-        assert len(bt) * block_size >= c.start_pos + c.num_tokens, "block table too short"
-        for p in range(c.start_pos, c.start_pos + c.num_tokens):
-            slot_mapping.append(bt[p // block_size] * block_size + p % block_size)
+        assert len(c.block_table) * block_size >= c.start_pos + c.num_tokens, "block table too short"
 
     decode_slots = decode_mask = None
+    slot_parts: list[torch.Tensor] = []
     if num_decodes:
-        lens = [c.start_pos + 1 for c in chunks[:num_decodes]]
-        l_max = max(lens)
-        rows = [_slots_for(c.block_table, n, block_size) + [0] * (l_max - n)
-                for c, n in zip(chunks[:num_decodes], lens)]
-        decode_slots = torch.tensor(rows, dtype=torch.int64, device=device)
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
-        decode_mask = (torch.arange(l_max, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        dec = chunks[:num_decodes]
+        lens = torch.tensor([c.start_pos + 1 for c in dec], dtype=torch.int64, device=device)
+        l_max = int(lens.max())
+        n_blk = (l_max + block_size - 1) // block_size
+        tables = torch.tensor(
+            [list(c.block_table[:n_blk]) + [0] * (n_blk - min(n_blk, len(c.block_table))) for c in dec],
+            dtype=torch.int64, device=device,
+        )
+        pos = torch.arange(l_max, dtype=torch.int64, device=device)
+        decode_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L_max]
+        valid = pos[None, :] < lens[:, None]
+        decode_slots = decode_slots.masked_fill(~valid, 0)
+        decode_mask = valid[:, None, None, :]
+        slot_parts.append(decode_slots.gather(1, (lens - 1)[:, None]).squeeze(1))
 
     prefills: list[PrefillMeta] = []
     q_start = num_decodes
     for c in chunks[num_decodes:]:
+        total = c.start_pos + c.num_tokens
+        table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
+        ctx = _slots(table, torch.arange(total, dtype=torch.int64, device=device), block_size)
+        slot_parts.append(ctx[c.start_pos:])
         ctx_slots = mask = None
         if c.start_pos > 0:
-            total = c.start_pos + c.num_tokens
-            ctx_slots = torch.tensor(
-                _slots_for(c.block_table, total, block_size), dtype=torch.int64, device=device
-            )
+            ctx_slots = ctx
             # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
             mask = torch.ones(c.num_tokens, total, dtype=torch.bool, device=device).tril(c.start_pos)
         prefills.append(PrefillMeta(q_start, c.num_tokens, c.start_pos, ctx_slots, mask))
         q_start += c.num_tokens
+    slot_mapping = (torch.cat(slot_parts) if slot_parts
+                    else torch.empty(0, dtype=torch.int64, device=device))
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        slot_mapping=slot_mapping,
         num_decodes=num_decodes,
         decode_slots=decode_slots,
         decode_mask=decode_mask,

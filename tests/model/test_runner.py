@@ -96,3 +96,12 @@ def test_shutdown_drops_tensors(model_dir: Path) -> None:
     r = ModelRunner(EngineConfig.from_kwargs(model_dir, num_kv_blocks=4))
     r.shutdown()
     assert r.kv_caches == [] and r.model is None
+
+
+def test_steps_with_only_intermediate_chunks_sample_nothing(runner: ModelRunner) -> None:
+    prompt = runner.tokenizer.encode("The cat sat on the mat")
+    expected = Driver(runner).generate([prompt], GREEDY, 5)[0]
+    d = Driver(runner, chunk_size=2)
+    got = d.generate([prompt], GREEDY, 5)[0]
+    assert got == expected
+    assert sum(1 for s in d.steps if not any(c.sample for c in s.chunks)) >= 2
