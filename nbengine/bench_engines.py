@@ -1,0 +1,303 @@
+"""The engines ``nbengine bench`` compares, each run on the same workload in one process.
+
+- ``NbengineDriver``: ``nb.Engine`` (a fresh engine per run, so the prefix cache starts
+  empty), every request submitted at t0, greedy, ``ignore_eos``. Token arrival times
+  are taken when the frontend receives each core batch (the loop thread).
+- ``HFStaticDriver``: transformers ``model.generate`` on static batches of the prompts
+  in submission order (left padding); a batch runs until its longest request is done.
+  A streamer timestamps every decoding step.
+- ``HFContinuousDriver``: transformers' continuous batching (the manager behind
+  ``generate_batch``; requests are added one by one so each keeps its own
+  ``max_new_tokens``), with per-token timestamps (``record_timestamps``).
+
+All times are ``time.perf_counter()`` seconds; TTFT is measured from the moment the
+whole workload was submitted (t0).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Workload:
+    """Prompts (token ids) and the number of output tokens each must produce."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    shared_prefix: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One engine on one workload."""
+
+    engine: str
+    workload: str
+    wall_s: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # one per request
+    itl_s: list[float] = field(default_factory=list)  # every gap between output tokens
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- nbengine
+
+
+class NbengineDriver:
+    """Runs workloads on ``nb.Engine``; a fresh engine per run."""
+
+    name = "nbengine"
+
+    def __init__(self, model_dir: Path, dtype: str, engine_kwargs: dict[str, Any] | None = None
+                 ) -> None:
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.engine_kwargs = dict(engine_kwargs or {})
+
+    def _engine(self, **overrides: Any) -> Any:
+        from nbengine.frontend.engine import Engine
+
+        class _TimedEngine(Engine):
+            """Records, per request key, when each batch of new tokens reached the frontend."""
+
+            def __init__(self, *a: Any, **kw: Any) -> None:
+                self.token_times: dict[str, list[tuple[float, int]]] = {}
+                self.hits = (0, 0)
+                super().__init__(*a, **kw)
+
+            def _process_outputs(self, outputs: Any) -> None:
+                now = time.perf_counter()
+                times = self.token_times
+                for out in outputs.outputs:
+                    if out.new_token_ids:
+                        times.setdefault(out.request_id, []).append((now, len(out.new_token_ids)))
+                if outputs.step is not None:
+                    self.hits = (outputs.step.prefix_cache_hits, outputs.step.prefix_cache_queries)
+                super()._process_outputs(outputs)
+
+        kw = {"dtype": self.dtype, **self.engine_kwargs, **overrides}
+        return _TimedEngine(str(self.model_dir), **kw)
+
+    def run(self, wl: Workload, **overrides: Any) -> RunResult:
+        import nbengine as nb
+
+        res = RunResult(self.name, wl.name)
+        engine = self._engine(**overrides)
+        try:
+            params = [
+                nb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                  output_kind=nb.RequestOutputKind.FINAL_ONLY)
+                for n in wl.output_lens
+            ]
+            t0 = time.perf_counter()
+            handles = [engine.generate(p, sp) for p, sp in zip(wl.prompts, params)]
+            finals = [h.result() for h in handles]
+            res.wall_s = time.perf_counter() - t0
+            by_key = engine.token_times
+            for h, final in zip(handles, finals):
+                n_out = len(final.outputs[0].token_ids)
+                res.output_tokens += n_out
+                res.prompt_tokens += len(final.prompt_token_ids)
+                key = next((k for k in by_key if k.rsplit("#", 1)[0] == h.request_id), None)
+                stamps = by_key.get(key, []) if key else []
+                if stamps:
+                    res.ttft_s.append(stamps[0][0] - t0)
+                    res.itl_s.extend(_gaps(stamps))
+            hits, queries = engine.hits
+            res.extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+            res.extra["num_steps"] = len(engine._steps)
+        finally:
+            engine.shutdown()
+        return res
+
+    def abort_latency(self, prompts: list[list[int]], num_running: int, num_aborts: int
+                      ) -> list[float]:
+        """Seconds per ``engine.abort()`` call while ``num_running`` requests decode."""
+        import nbengine as nb
+
+        engine = self._engine()
+        lat: list[float] = []
+        try:
+            sp = nb.SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True,
+                                   output_kind=nb.RequestOutputKind.DELTA)
+            handles = [engine.generate(prompts[i % len(prompts)], sp, request_id=f"a{i}")
+                       for i in range(num_running)]
+            # Wait until every request has produced a token (all RUNNING and decoding).
+            deadline = time.monotonic() + 600
+            while len(engine.token_times) < num_running and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for i in range(min(num_aborts, num_running)):
+                t = time.perf_counter()
+                engine.abort(f"a{i}")
+                lat.append(time.perf_counter() - t)
+            engine.abort([h.request_id for h in handles])
+        finally:
+            engine.shutdown()
+        return lat
+
+
+def _gaps(stamps: list[tuple[float, int]]) -> list[float]:
+    """Inter-token gaps; tokens delivered together count as zero gaps."""
+    gaps: list[float] = []
+    prev = stamps[0][0]
+    gaps.extend([0.0] * (stamps[0][1] - 1))
+    for t, n in stamps[1:]:
+        gaps.append(t - prev)
+        gaps.extend([0.0] * (n - 1))
+        prev = t
+    return gaps
+
+
+# ----------------------------------------------------------------------- transformers
+
+
+def load_hf_model(model_dir: Path, dtype: str) -> Any:
+    """The transformers model for ``model_dir`` in ``dtype`` (SDPA attention, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    )
+    return model.eval()
+
+
+class _StepClock:
+    """A transformers streamer that timestamps every ``put`` (the prompt, then each step)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class HFStaticDriver:
+    """transformers ``generate`` on static batches of ``batch_size`` prompts."""
+
+    name = "hf_static"
+
+    def __init__(self, model_dir: Path, dtype: str, batch_size: int = 16) -> None:
+        self.model = load_hf_model(model_dir, dtype)
+        self.batch_size = batch_size
+
+    def run(self, wl: Workload) -> RunResult:
+        from transformers import GenerationConfig
+
+        res = RunResult(self.name, wl.name)
+        res.extra["batch_size"] = self.batch_size
+        model = self.model
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for s in range(0, len(wl.prompts), self.batch_size):
+                prompts = wl.prompts[s : s + self.batch_size]
+                outs = wl.output_lens[s : s + self.batch_size]
+                width = max(len(p) for p in prompts)
+                ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+                mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+                for i, p in enumerate(prompts):  # left padding
+                    ids[i, width - len(p):] = torch.tensor(p)
+                    mask[i, width - len(p):] = 1
+                n_new = max(outs)
+                cfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new,
+                                       do_sample=False, pad_token_id=0, eos_token_id=None)
+                clock = _StepClock()
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg,
+                                     streamer=clock)
+                assert out.shape[1] == width + n_new, "generate stopped early"
+                steps = clock.times[1:]  # times[0] is the prompt
+                for p, n in zip(prompts, outs):
+                    res.prompt_tokens += len(p)
+                    res.output_tokens += n
+                    res.ttft_s.append(steps[0] - t0)
+                    res.itl_s.extend(b - a for a, b in zip(steps[: n - 1], steps[1:n]))
+        res.wall_s = time.perf_counter() - t0
+        return res
+
+
+class HFContinuousDriver:
+    """transformers continuous batching (``generate_batch``'s manager)."""
+
+    name = "hf_cb"
+
+    def __init__(self, model_dir: Path, dtype: str, max_batch_tokens: int = 512,
+                 max_requests: int = 64) -> None:
+        self.model = load_hf_model(model_dir, dtype)
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests = max_requests
+
+    def run(self, wl: Workload) -> RunResult:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        res = RunResult(self.name, wl.name)
+        model = self.model
+        max_len = max(len(p) for p in wl.prompts) + max(wl.output_lens)
+        page = 16
+        per_req = -(-max_len // page) + 1
+        cb = ContinuousBatchingConfig(
+            page_size=page, num_blocks=per_req * len(wl.prompts) + 8,
+            max_batch_tokens=self.max_batch_tokens,
+            max_requests_per_batch=self.max_requests, allow_block_sharing=False,
+            auto_switch_to_flash=False, use_cuda_graph=False, use_async_batching=False,
+        )
+        gen = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens),
+                               eos_token_id=-1, pad_token_id=0)
+        results: dict[str, Any] = {}
+        with torch.inference_mode(), model.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=cb, block=True, timeout=30,
+            warmup=False,
+        ) as manager:
+            t0 = time.perf_counter()
+            ids = [
+                manager.add_request(p, request_id=f"r{i}", max_new_tokens=n,
+                                    record_timestamps=True, eos_token_id=-1)
+                for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens))
+            ]
+            while len(results) < len(ids):
+                r = manager.get_result(timeout=1.0)
+                if r is None:
+                    if not manager.is_running():
+                        raise RuntimeError("the continuous batching thread stopped")
+                    continue
+                if r.is_finished():
+                    if r.error is not None:
+                        raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+                    results[r.request_id] = r
+            res.wall_s = time.perf_counter() - t0
+        for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)):
+            r = results[f"r{i}"]
+            got = len(r.generated_tokens)
+            res.prompt_tokens += len(p)
+            res.output_tokens += got
+            stamps = r.timestamps or []
+            if stamps:
+                res.ttft_s.append(stamps[0] - t0)
+                res.itl_s.extend(b - a for a, b in zip(stamps, stamps[1:]))
+            if got != n:
+                res.extra.setdefault("length_mismatches", 0)
+                res.extra["length_mismatches"] += 1
+        return res
+
