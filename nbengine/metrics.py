@@ -326,7 +326,8 @@ class MetricsLog:
             if s is None or s.finished:
                 return
             if num_cached_tokens is not None and num_cached_tokens >= 0:
-                s.num_cached_tokens = num_cached_tokens
+                # Reported with the first outputs; later outputs may carry 0.
+                s.num_cached_tokens = max(s.num_cached_tokens or 0, num_cached_tokens)
             new = num_output_tokens - s.timed_tokens
             if new <= 0:
                 return
@@ -347,6 +348,18 @@ class MetricsLog:
                 self.total_output_tokens += num_output_tokens - s.output_tokens
                 s.output_tokens = num_output_tokens
             self._version += 1
+
+    def on_scheduled(self, key: str, when: float) -> None:
+        """The core scheduled ``key`` at ``when`` (its own clock reading, before the forward).
+
+        More precise than the frontend's RUNNING event, which is stamped when the batch
+        reaches the loop; the earliest reading wins. Unknown keys are ignored.
+        """
+        with self._lock:
+            s = self._requests.get(key)
+            if s is not None and (s.first_scheduled_time is None or when < s.first_scheduled_time):
+                s.first_scheduled_time = when
+                self._version += 1
 
     def on_token_delta(
         self,

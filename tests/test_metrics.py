@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -184,3 +187,91 @@ def test_readers_see_consistent_snapshots_while_writer_runs() -> None:
     finally:
         stop.set()
         th.join()
+
+
+# ---------------------------------------------------------------- a known engine run
+
+PROMPT = (
+    "Once upon a time, in a small village at the edge of a great forest, there lived a "
+    "girl named Lily. Every morning she walked to the river to fetch water."
+)
+
+
+@pytest.fixture(scope="module")
+def known_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:
+    """A fresh engine that ran: 8 tokens (length), one abort, 8 tokens again (cache hit)."""
+    import nbengine as nb
+    from nbengine.testing import make_tiny_model
+
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "llama", arch="llama", hidden_size=32,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048,
+    )
+    with nb.Engine(str(path), num_kv_blocks=256, block_size=16, max_num_seqs=8,
+                   max_num_batched_tokens=256, enable_prefix_caching=True) as engine:
+        params = nb.SamplingParams(max_tokens=8, ignore_eos=True)
+        first = engine.generate(PROMPT, params, request_id="first").result(timeout=120)
+        h = engine.generate(PROMPT, nb.SamplingParams(max_tokens=1500, ignore_eos=True),
+                            request_id="aborted")
+        deadline = time.monotonic() + 60
+        while len(h.token_ids) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        aborted = h.cancel(timeout=60)
+        again = engine.generate(PROMPT, params, request_id="first").result(timeout=120)
+        n_prompt = len(engine.tokenizer.encode(PROMPT))
+        yield engine, n_prompt, first, aborted, again
+
+
+def test_engine_events_one_row_per_transition(known_run: tuple[Any, ...]) -> None:
+    engine, _, _, aborted, _ = known_run
+    ev = engine.events()
+    assert list(ev.columns) == list(EVENT_COLUMNS)
+    first, second = sorted(set(ev[ev["request_id"] == "first"]["key"]))
+    walk = ev[ev["key"] == first]
+    assert walk["to_status"].tolist() == ["QUEUED", "WAITING", "RUNNING",
+                                          "FINISHED_LENGTH_CAPPED"]
+    assert walk["from_status"].tolist()[1:] == walk["to_status"].tolist()[:-1]
+    assert walk["num_output_tokens"].tolist()[-1] == 8
+    assert walk["time"].is_monotonic_increasing
+    ab = ev[ev["request_id"] == "aborted"]
+    assert ab["to_status"].tolist()[-2:] == ["RELEASING", "FINISHED_ABORTED"]
+    assert ab["num_output_tokens"].tolist()[-1] == len(aborted.outputs[0].token_ids)
+    assert ev[ev["key"] == second]["to_status"].tolist()[-1] == "FINISHED_LENGTH_CAPPED"
+
+
+def test_engine_request_stats_values(known_run: tuple[Any, ...]) -> None:
+    engine, n_prompt, first, aborted, again = known_run
+    df = engine.request_stats()
+    assert list(df.columns) == list(REQUEST_COLUMNS)
+    assert df["request_id"].tolist() == ["first", "aborted", "first"]
+    assert df["status"].tolist() == ["FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
+                                     "FINISHED_LENGTH_CAPPED"]
+    assert df["finish_reason"].tolist() == ["length", "abort", "length"]
+    assert (df["prompt_tokens"] == n_prompt).all()
+    assert df["output_tokens"].tolist() == [8, len(aborted.outputs[0].token_ids), 8]
+    assert df["preemptions"].tolist() == [0, 0, 0]
+    for _, row in df.iterrows():
+        assert 0 <= row["queue_time"] <= row["ttft"] <= row["e2e_time"]
+    done = df[df["finish_reason"] == "length"]
+    assert (done["itl_mean"] >= 0).all() and (done["itl_p99"] >= done["itl_mean"]).all()
+    # The repeated prompt hits the prefix cache in whole blocks; the first one cannot.
+    assert df["num_cached_tokens"].iloc[0] == 0
+    cached = int(df["num_cached_tokens"].iloc[2])
+    assert cached > 0 and cached % 16 == 0
+    assert cached == again.num_cached_tokens
+
+
+def test_engine_step_stats_values(known_run: tuple[Any, ...]) -> None:
+    engine, n_prompt, *_ = known_run
+    df = engine.step_stats()
+    assert list(df.columns) == list(STEP_COLUMNS)
+    steps = df["step"].tolist()
+    assert steps == list(range(steps[0], steps[0] + len(steps)))  # one row per step
+    assert len(df) >= 8 + 8
+    assert (df["kv_blocks_total"] == 256).all()
+    assert (df["batch_size"] >= 1).all() and (df["running"] >= 0).all()
+    assert df["running"].max() == 1 and df["waiting"].max() <= 1
+    assert (df["step_time"] > 0).all()
+    assert df["prefill_tokens"].iloc[0] == n_prompt  # the first step prefills the prompt
+    assert df["prefix_cache_hit_rate"].iloc[-1] > 0

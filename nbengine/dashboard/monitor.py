@@ -17,6 +17,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from nbengine.metrics import MetricsLog
+from nbengine.request import RequestStatus
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -74,13 +75,20 @@ class EngineMonitor:
         self.metrics.on_step(stats)
 
     def on_core_outputs(self, batch: EngineCoreOutputs) -> None:
-        """Token arrival times and prefix-cache hits of one core batch."""
+        """Schedule times, token arrival times and prefix-cache hits of one core batch.
+
+        Called before the frontend processes the batch, so its tokens are counted while
+        their requests are still live in the log.
+        """
         now = time.monotonic()
+        for ev in batch.events:
+            if ev.status is RequestStatus.RUNNING:
+                self.metrics.on_scheduled(ev.request_id, ev.time)
         for out in batch.outputs:
             if out.new_token_ids or out.num_cached_tokens:
                 self.metrics.on_token_delta(
                     out.request_id, len(out.new_token_ids), now,
-                    num_cached_tokens=out.num_cached_tokens or None,
+                    num_cached_tokens=out.num_cached_tokens,
                 )
 
     # -------------------------------------------------------------- aborts (any)
