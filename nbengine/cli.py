@@ -160,6 +160,29 @@ def run_generate(prompt: str, model: str | None, max_tokens: int, temperature: f
     return 0
 
 
+def run_bench_cli(args: argparse.Namespace) -> int:
+    """``nbengine bench``: run, print the table, optionally write the JSON report."""
+    import json
+
+    from nbengine.bench import format_report, run_bench
+
+    report = run_bench(
+        model_dir=args.model,
+        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
+        engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
+        dtype=args.dtype,
+        scale=0.1 if args.quick else args.scale,
+        repeats=args.repeats,
+        abort_latency=not args.no_abort,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nbengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +198,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
 
+    bench = sub.add_parser("bench", help="throughput/latency against transformers (see docs/benchmarks.md)")
+    bench.add_argument("--model", default=None,
+                       help="model directory (default: random weights in SmolLM2-135M's shape)")
+    bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
+    bench.add_argument("--engines", default="nbengine,hf_static,hf_cb",
+                       help="comma-separated: nbengine,hf_static,hf_cb")
+    bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    bench.add_argument("--scale", type=float, default=1.0, help="shrink workloads (e.g. 0.1)")
+    bench.add_argument("--quick", action="store_true", help="same as --scale 0.1")
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
+    bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
+
     kern = sub.add_parser("install-kernel", help="install the 'nbengine' Jupyter kernelspec")
     where = kern.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="into the user's Jupyter data dir")
@@ -185,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(args.model, args.max_tokens)
     if args.command == "generate":
         return run_generate(args.prompt, args.model, args.max_tokens, args.temperature, args.seed)
+    if args.command == "bench":
+        return run_bench_cli(args)
     if args.command == "install-kernel":
         from nbengine.kernelspec import install_kernel
 
