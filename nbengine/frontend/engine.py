@@ -219,8 +219,10 @@ class Engine:
     def _die(self, message: str) -> None:
         if self._dead is None:
             self._dead = message
-        self._processor.fail_all(self._dead)
-        self._core_queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
+        try:
+            self._processor.fail_all(self._dead)
+        finally:  # the core must stop even if failing the requests went wrong
+            self._core_queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
 
     def _send_abort(self, keys: list[str]) -> None:
         self._core_queue.put(EngineCoreMessage(MessageType.ABORT, list(keys)))
@@ -287,6 +289,12 @@ class Engine:
             )
         return handle
 
+    def _run_on_core(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        """Run ``fn(core)`` on the core thread between steps (a UTILITY message)."""
+        fut: Future[T] = Future()
+        self._core_queue.put(EngineCoreMessage(MessageType.UTILITY, fn, fut))
+        return fut
+
     def _start_aborts(self, request_ids: list[str]) -> list[Future[RequestOutput] | None]:
         futures: list[Future[RequestOutput] | None] = []
         for rid in request_ids:
@@ -335,6 +343,8 @@ class Engine:
 
     def _wait_future(self, fut: Future[T], deadline: float | None, what: str) -> T:
         while True:
+            if fut.done():
+                return fut.result()
             wait = _WAKE_S
             if deadline is not None:
                 remaining = deadline - time.monotonic()
@@ -377,6 +387,13 @@ class Engine:
             )
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sampling_params, name)
+            if k is not None and k > self._vocab_size:
+                raise ValueError(
+                    f"{name}={k} asks for more log-probabilities than the model's "
+                    f"vocabulary of {self._vocab_size} tokens."
+                )
         text: str | None
         if isinstance(prompt, str):
             if not prompt:
@@ -430,6 +447,10 @@ class Engine:
     def _normalise_ids(self, request_ids: str | Iterable[str]) -> tuple[list[str], bool]:
         if isinstance(request_ids, str):
             return [request_ids], True
+        if not isinstance(request_ids, Iterable):
+            raise TypeError(
+                f"request ids must be a string or an iterable of strings, got {request_ids!r}."
+            )
         ids = list(request_ids)
         for rid in ids:
             if not isinstance(rid, str):

@@ -480,7 +480,10 @@ class OutputProcessor:
                 child.finish_reason = reason
                 child.stop_reason = None
                 child.error = message
-                child.detok.finish()
+                try:
+                    child.detok.finish()
+                except Exception:  # a broken tokenizer must not stop the failing
+                    logger.exception("flushing the text of %s failed", child.key)
                 self.keys.pop(child.key, None)
                 self._parent_of.pop(child.key, None)
                 self._transition(live, child, status)
