@@ -11,12 +11,11 @@ Order of operations (as vLLM's v1 sampler):
 4. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax;
 5. other rows: divide by temperature, ``min_p`` (drop tokens whose probability is below
    ``min_p * max_prob``), ``top_k``, ``top_p`` (keep the smallest most-likely set whose
-   mass reaches ``top_p``), then sample with the exponential-race trick
-   ``argmax(probs / Exp(1))``.
+   mass reaches ``top_p``), then sample by inverse CDF with one uniform draw per row.
 
 Randomness: a request with ``params.seed`` draws only from its own ``torch.Generator``
-(``Request.generator``, created lazily from the seed), one vocab-sized row of
-exponentials per step, so its tokens do not depend on what else is in the batch.
+(``Request.generator``, created lazily from the seed), one uniform per step, so its
+tokens do not depend on what else is in the batch.
 Unseeded rows draw from the sampler's generator, seeded from ``ModelConfig.seed``.
 """
 
@@ -117,9 +116,11 @@ def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) 
     return logits
 
 
-def _filter_random_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, min_p, top_k, top_p on ``logits [M, V]``; returns filtered logits."""
-    vocab = logits.shape[1]
+_CANDIDATE_TIERS = (256, 2048)
+
+
+def _scale_and_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then min_p, on ``logits [M, V]``."""
     temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
     logits = logits / temp
     if any(p.min_p > 0 for p in params):
@@ -127,21 +128,70 @@ def _filter_random_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
         min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)[:, None]
         too_small = probs < min_p * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(too_small, float("-inf"))
-    use_k = any(0 < p.top_k < vocab for p in params)
-    use_p = any(p.top_p < 1.0 for p in params)
-    if use_k or use_p:
-        sorted_x, order = logits.sort(dim=-1, descending=True)
-        if use_k:
-            k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
-            beyond_k = torch.arange(vocab)[None, :] >= k
-            sorted_x = sorted_x.masked_fill(beyond_k, float("-inf"))
-        if use_p:
-            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)[:, None]
-            probs = sorted_x.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-            sorted_x = sorted_x.masked_fill(mass_before >= top_p, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_x)
     return logits
+
+
+def _draw_from(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: column index per row of ``logits [M, C]``, one uniform per row."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    target = uniforms[:, None] * cdf[:, -1:]
+    # First index whose cdf exceeds the target; zero-probability tokens are never chosen.
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[1] - 1).squeeze(1)
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor
+) -> list[int]:
+    """Sample one token per row after temperature, min_p, top_k and top_p.
+
+    top_k/top_p need the most likely tokens in order. A full sort of a large vocab is
+    slow on CPU, so candidates come from ``topk(C)`` for growing C: a row is settled
+    at C when its top-k set fits in C, or (no top-k) when the C candidates already
+    hold ``top_p`` of the full mass, which makes the result identical to a full sort.
+    """
+    vocab = logits.shape[1]
+    x = _scale_and_min_p(logits, params)
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    tops = [p.top_p for p in params]
+    out = [0] * len(params)
+    plain = [i for i in range(len(params)) if ks[i] == vocab and tops[i] >= 1.0]
+    if plain:
+        idx = torch.tensor(plain, dtype=torch.int64)
+        for i, t in zip(plain, _draw_from(x[idx], uniforms[idx]).tolist()):
+            out[i] = t
+    pending = [i for i in range(len(params)) if i not in set(plain)]
+    for width in (*[c for c in _CANDIDATE_TIERS if c < vocab], vocab):
+        if not pending:
+            break
+        idx = torch.tensor(pending, dtype=torch.int64)
+        rows = x[idx]
+        if width < vocab:
+            vals, ids = rows.topk(width, dim=-1)
+        else:
+            vals, ids = rows.sort(dim=-1, descending=True)
+        k = torch.tensor([min(ks[i], width) for i in pending])[:, None]
+        vals = vals.masked_fill(torch.arange(width)[None, :] >= k, float("-inf"))
+        has_k = torch.tensor([ks[i] < vocab for i in pending])[:, None]
+        # Probabilities of the candidates within the top-k set (when set) or the full vocab.
+        lse = torch.where(has_k, vals.logsumexp(-1, keepdim=True), rows.logsumexp(-1, keepdim=True))
+        probs = (vals - lse).exp()
+        top_p = torch.tensor([tops[i] for i in pending], dtype=vals.dtype)[:, None]
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        vals = vals.masked_fill(mass_before >= top_p, float("-inf"))
+        mass = probs.sum(-1).tolist()
+        settled = [
+            j for j, i in enumerate(pending)
+            if ks[i] <= width or (ks[i] == vocab and tops[i] < 1.0 and mass[j] >= tops[i])
+        ]
+        if not settled:
+            continue
+        sj = torch.tensor(settled, dtype=torch.int64)
+        cols = _draw_from(vals[sj], uniforms[idx[sj]])
+        toks = ids[sj].gather(1, cols[:, None]).squeeze(1).tolist()
+        for j, t in zip(settled, toks):
+            out[pending[j]] = t
+        pending = [i for j, i in enumerate(pending) if j not in set(settled)]
+    return out
 
 
 class Sampler:
@@ -169,23 +219,22 @@ class Sampler:
             tokens = x.argmax(dim=-1).tolist()
             rand = [i for i, p in enumerate(params) if not p.greedy]
             if rand:
-                rows = torch.tensor(rand, dtype=torch.int64)
-                filtered = _filter_random_rows(x[rows], [params[i] for i in rand])
-                probs = filtered.softmax(dim=-1)
-                q = torch.empty_like(probs)
+                uniforms = torch.empty(len(rand), dtype=torch.float64)
                 unseeded = [j for j, i in enumerate(rand) if params[i].seed is None]
                 if unseeded:
-                    q[unseeded] = torch.empty(len(unseeded), q.shape[1]).exponential_(
-                        generator=self.generator
+                    uniforms[unseeded] = torch.rand(
+                        len(unseeded), dtype=torch.float64, generator=self.generator
                     )
                 for j, i in enumerate(rand):
                     req = requests[i]
-                    if req.sampling_params.seed is None:
+                    seed = req.sampling_params.seed
+                    if seed is None:
                         continue
                     if req.generator is None:
-                        req.generator = torch.Generator().manual_seed(req.sampling_params.seed)
-                    q[j].exponential_(generator=req.generator)
-                picked = (probs / q).argmax(dim=-1).tolist()
+                        req.generator = torch.Generator().manual_seed(seed)
+                    uniforms[j] = torch.rand(1, dtype=torch.float64, generator=req.generator)[0]
+                rows = torch.tensor(rand, dtype=torch.int64)
+                picked = _sample_rows(x[rows], [params[i] for i in rand], uniforms.to(x.dtype))
                 for j, i in enumerate(rand):
                     tokens[i] = picked[j]
 

@@ -170,3 +170,22 @@ def test_mixed_batch_greedy_rows_unaffected_by_random_rows(seed: int) -> None:
     toks, _ = Sampler(seed)(logits.clone(), reqs)
     assert toks[0] == int(logits[0].argmax()) and toks[2] == int(logits[2].argmax())
     assert toks[3] in logits[3].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("peaked", [False, True])
+def test_candidate_tiers_equal_full_sort(peaked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nbengine.ops.sampling as sampling
+
+    g = torch.Generator().manual_seed(11)
+    vocab, n = 5000, 120
+    logits = torch.randn(n, vocab, generator=g) * (4.0 if peaked else 1.0)
+    params = [SamplingParams(top_p=[0.5, 0.9, 1.0][i % 3], top_k=[0, 5, 300, 3000][i % 4],
+                             temperature=0.9) for i in range(n)]
+    u = torch.rand(n, generator=g)
+    fast = sampling._sample_rows(logits, params, u)
+    monkeypatch.setattr(sampling, "_CANDIDATE_TIERS", ())
+    full = sampling._sample_rows(logits, params, u)
+    assert fast == full
+    for p, row, t in zip(params, logits, fast):
+        if p.top_k:
+            assert t in row.topk(p.top_k).indices.tolist()
