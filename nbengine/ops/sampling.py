@@ -160,6 +160,8 @@ def _sample_rows(
         for i, t in zip(plain, _draw_from(x[idx], uniforms[idx]).tolist()):
             out[i] = t
     pending = [i for i in range(len(params)) if i not in set(plain)]
+    # Full-vocab normaliser, needed for rows without top-k (their top-p mass is global).
+    full_lse = x.logsumexp(-1, keepdim=True) if pending else x[:, :1]
     for width in (*[c for c in _CANDIDATE_TIERS if c < vocab], vocab):
         if not pending:
             break
@@ -173,7 +175,7 @@ def _sample_rows(
         vals = vals.masked_fill(torch.arange(width)[None, :] >= k, float("-inf"))
         has_k = torch.tensor([ks[i] < vocab for i in pending])[:, None]
         # Probabilities of the candidates within the top-k set (when set) or the full vocab.
-        lse = torch.where(has_k, vals.logsumexp(-1, keepdim=True), rows.logsumexp(-1, keepdim=True))
+        lse = torch.where(has_k, vals.logsumexp(-1, keepdim=True), full_lse[idx])
         probs = (vals - lse).exp()
         top_p = torch.tensor([tops[i] for i in pending], dtype=vals.dtype)[:, None]
         mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
