@@ -39,6 +39,7 @@ class GPT2Args:
     eps: float
     activation: str
     tie_word_embeddings: bool
+    scale_attn_weights: bool
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> GPT2Args:
@@ -53,6 +54,7 @@ class GPT2Args:
             eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
             activation=str(cfg.get("activation_function", "gelu_new")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            scale_attn_weights=bool(cfg.get("scale_attn_weights", True)),
         )
 
 
@@ -62,7 +64,7 @@ class GPT2Block(nn.Module):
         self.num_heads = a.num_heads
         self.head_dim = a.hidden_size // a.num_heads
         self.hidden = a.hidden_size
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if a.scale_attn_weights else 1.0
         self.ln_1 = nn.LayerNorm(a.hidden_size, eps=a.eps)
         self.c_attn = nn.Linear(a.hidden_size, 3 * a.hidden_size)
         self.attn_proj = nn.Linear(a.hidden_size, a.hidden_size)

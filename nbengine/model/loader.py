@@ -79,7 +79,10 @@ def resolve_model_dir(model: str | Path | None) -> Path:
         raise TypeError(f"model must be a path (str or Path) or None, got {model!r}.")
     path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"Model directory {str(path)!r} does not exist.")
+        raise FileNotFoundError(
+            f"Model directory {str(path)!r} does not exist (nbengine never downloads from a "
+            "hub; pass a local Hugging Face-format directory)."
+        )
     if not path.is_dir():
         raise ModelLoadError(
             f"Model path {str(path)!r} is not a directory; expected a Hugging Face-format "
@@ -153,6 +156,11 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
             gargs = GPT2Args.from_hf(cfg)
             if gargs.activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu"):
                 raise ModelLoadError(f"Unsupported GPT-2 activation {gargs.activation!r}.")
+            if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
+                raise ModelLoadError(
+                    "GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn "
+                    "are not supported."
+                )
             return _on_meta(lambda: GPT2LMHeadModel(gargs))
         dargs = DecoderArgs.from_hf(cfg, arch, max_positions)
     except KeyError as exc:
