@@ -155,3 +155,22 @@ def test_mistral_sliding_window_clamps_max_model_len(tmp_path: Path) -> None:
     assert load_model(ModelConfig(model=d)).max_model_len == 64
     d2 = make_tiny_model(tmp_path / "m2", "mistral", sliding_window=None)
     assert load_model(ModelConfig(model=d2)).max_model_len == 256
+
+
+def test_gpt2_checkpoint_without_transformer_prefix(tmp_path: Path) -> None:
+    d = make_tiny_model(tmp_path / "g", "gpt2")
+    ref = load_model(ModelConfig(model=d)).model.state_dict()
+    w = load_file(d / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in w.items()}, str(d / "model.safetensors"))
+    got = load_model(ModelConfig(model=d)).model.state_dict()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_default_model_dir_resolution() -> None:
+    from nbengine.model import DEFAULT_MODEL_DIR
+
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        assert resolve_model_dir(None) == DEFAULT_MODEL_DIR
+    else:
+        with pytest.raises(FileNotFoundError, match="default model"):
+            resolve_model_dir(None)

@@ -22,6 +22,7 @@ CASES = {
     "llama": ("llama", {}),
     "llama-tied-llama3rope": ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE,
                                         "rope_theta": 500000.0}),
+    "llama-bias-mha": ("llama", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 4}),
     "mistral": ("mistral", {"num_key_value_heads": 1}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
