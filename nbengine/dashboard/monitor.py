@@ -11,6 +11,7 @@ widget or figure is first asked for.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -34,6 +35,32 @@ __all__ = ["EngineMonitor"]
 
 logger = logging.getLogger(__name__)
 
+_preload_started = False
+
+
+def _preload_widget_modules() -> None:
+    """In a Jupyter kernel, import the widget modules on a background thread, once.
+
+    The first ``plotly`` FigureWidget import takes seconds (plotly.io pulls in nbformat
+    and jsonschema); doing it while the engine starts keeps ``engine.dashboard()`` quick.
+    Outside a kernel (scripts, tests) nothing happens.
+    """
+    global _preload_started
+    if _preload_started or "ipykernel" not in sys.modules:
+        return
+    _preload_started = True
+
+    def preload() -> None:
+        try:
+            import ipywidgets  # noqa: F401
+            import plotly.graph_objects as go
+
+            go.FigureWidget  # noqa: B018 - resolves the lazy FigureWidget import
+        except Exception:  # missing optional parts show up when a widget is asked for
+            logger.debug("widget module preload failed", exc_info=True)
+
+    threading.Thread(target=preload, name="nbengine-preload", daemon=True).start()
+
 
 class EngineMonitor:
     """Metrics and widgets of one engine (see the module docstring for the threads)."""
@@ -45,6 +72,7 @@ class EngineMonitor:
         self._updater: UIUpdater | None = None
         self._dashboard: Dashboard | None = None
         self._closed = False
+        _preload_widget_modules()
 
     @property
     def engine(self) -> Engine:

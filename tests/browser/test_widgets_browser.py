@@ -1,0 +1,227 @@
+"""The widgets in a real JupyterLab, driven in headless Chromium as a person would.
+
+Stages (one notebook, one kernel, a screenshot of each under artifacts/screenshots/):
+1. a displayed handle's text keeps growing after its cell has returned;
+2. clicking its Cancel button ends it: the badge reads FINISHED_ABORTED;
+3. a next cell reusing that request id runs to completion;
+4. the dashboard lists several requests with their statuses; "Cancel all" ends them;
+5. clicking Cancel while an ``async for`` cell runs aborts that request and the cell ends;
+6. ``engine.plot_timeline()`` renders a chart.
+
+Needs /usr/bin/chromium (never downloads a browser): skipped without it, unless the CI
+environment variable is "true", then it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import CHROMIUM, CHROMIUM_ARGS, NotebookPage, jupyter_lab, write_notebook  # noqa: E402
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+SCREENSHOTS = REPO / "artifacts" / "screenshots"
+DEFAULT_MODEL = REPO / "nbengine" / "default_model" / "config.json"
+
+# Every request the test cancels asks for far more tokens than it can make in the
+# time the test takes, so only a Cancel can end it.
+LONG = "nb.SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True)"
+
+
+def _require_chromium() -> None:
+    if CHROMIUM.exists():
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{CHROMIUM} is missing; the browser test must run in CI.")
+    pytest.skip(f"{CHROMIUM} is missing")
+
+
+def _model_source(tmp: Path) -> str:
+    """Python source that evaluates to the model argument of nb.Engine in the kernel."""
+    if DEFAULT_MODEL.exists():
+        return "None"
+    from nbengine.testing import make_tiny_model
+
+    path = make_tiny_model(
+        tmp / "tiny", arch="llama", hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=16384,
+    )
+    return repr(str(path))
+
+
+def _cells(model: str) -> list[str]:
+    setup = "\n".join([
+        "import sys; sys.path.insert(0, %r); import _shim; _shim.install()  # TEMP" % str(REPO / "tests" / "dashboard"),
+        "import nbengine as nb",
+        f"engine = nb.Engine({model}, num_kv_blocks=4096, block_size=16, max_num_seqs=8,",
+        "                   max_num_batched_tokens=256)",
+        "LONG_TOKENS = engine._max_model_len - 64",
+        "print('engine ready')",
+    ])
+    return [
+        setup,
+        # 1: start, display, return at once
+        f'h = engine.generate("Once upon a time", {LONG}, request_id="story")\nh',
+        # 2: reuse the id once the first incarnation was cancelled
+        'h2 = engine.generate("Once upon a time", nb.SamplingParams(max_tokens=24, '
+        'ignore_eos=True), request_id="story")\n'
+        "r = h2.result()\n"
+        'print("reuse:", r.outputs[0].finish_reason, len(r.outputs[0].token_ids), '
+        "h2.status.name)\n"
+        "h2",
+        # 3: several requests and the dashboard
+        f'jobs = [engine.generate("The cat sat", {LONG}, request_id=f"job-{{i}}") '
+        "for i in range(3)]\n"
+        "engine.dashboard()",
+        # 4: an async cell that only a Cancel click can end
+        f'ha = engine.generate("Once upon a time", {LONG}, request_id="async-1")\n'
+        "display(ha)\n"
+        "n = 0\n"
+        "async for out in ha:\n"
+        "    n += 1\n"
+        'print("async done:", ha.status.name, out.outputs[0].finish_reason)',
+        # 5: the static timeline
+        "fig = engine.plot_timeline()\n"
+        'print("timeline traces:", [t.name for t in fig.data])\n'
+        "fig",
+        # 6: the end
+        'engine.shutdown()\nprint("engine stopped")',
+    ]
+
+
+def test_widgets_in_jupyterlab(tmp_path: Path) -> None:
+    _require_chromium()
+    sync_api = pytest.importorskip("playwright.sync_api")
+
+    root = tmp_path / "root"
+    root.mkdir()
+    write_notebook(root / "widgets.ipynb", _cells(_model_source(tmp_path)))
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    for old in SCREENSHOTS.glob("*.png"):
+        old.unlink()
+
+    with jupyter_lab(root, tmp_path / "jupyter") as server, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        nb_page = NotebookPage(page, SCREENSHOTS)
+        try:
+            page.goto(server.notebook_url("widgets.ipynb"))
+            nb_page.wait_ready(server)
+            _run_stages(nb_page)
+        except BaseException:
+            try:
+                nb_page.screenshot("failure")
+            except Exception:  # noqa: BLE001 - best effort; the real error follows
+                pass
+            print(server.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            browser.close()
+
+
+def _run_stages(p: NotebookPage) -> None:
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:  # progress on stderr: shown by `pytest -s` and on failure
+        print(f"[browser test] {time.monotonic() - t0:6.1f} s  {what}", file=sys.stderr)
+
+    # 0: the engine starts in the kernel.
+    p.run_cell(0)
+    p.wait_cell_done(0, timeout_s=120)
+    assert "engine ready" in p.cell_text(0, ".jp-OutputArea")
+
+    # 1: the displayed handle streams after its cell has returned.
+    p.run_cell(1)
+    p.wait_cell_done(1)
+    p.wait_cell_text(1, ".nbengine-badge", "t.includes('RUNNING')")
+    first = len(p.wait_cell_text(1, ".nbengine-text", "t.length > 0"))
+    p.wait_cell_text(1, ".nbengine-text", f"t.length > {first + 50}", timeout_s=60)
+    tokens = int(p.cell_text(1, ".nbengine-tokens"))
+    p.wait_cell_text(1, ".nbengine-tokens", f"parseInt(t) > {tokens}")
+    assert "[*]" not in p.prompt(1)  # the cell had returned all along
+    mark("01-handle-streaming")
+    p.screenshot("01-handle-streaming")
+
+    # 2: Cancel ends it; the badge says so.
+    p.click(1, ".nbengine-cancel")
+    p.wait_cell_text(1, ".nbengine-badge", "t.includes('FINISHED_ABORTED')", timeout_s=60)
+    assert p.is_disabled(1, ".nbengine-cancel")
+    final_len = len(p.cell_text(1, ".nbengine-text"))
+    mark("02-handle-cancelled")
+    p.screenshot("02-handle-cancelled")
+
+    # 3: the id is free again; the new request completes in full.
+    p.run_cell(2)
+    p.wait_cell_done(2, timeout_s=60)
+    out = p.cell_text(2, ".jp-OutputArea")
+    assert "reuse: length 24 FINISHED_LENGTH_CAPPED" in out, out
+    p.wait_cell_text(2, ".nbengine-badge", "t.includes('FINISHED_LENGTH_CAPPED')")
+    # The cancelled widget stays as it ended (no stale output reached it).
+    assert len(p.cell_text(1, ".nbengine-text")) == final_len
+    mark("03-id-reused")
+    p.screenshot("03-id-reused")
+
+    # 4: the dashboard lists the jobs with their statuses; Cancel all ends them.
+    p.run_cell(3)
+    p.wait_cell_done(3)
+    mark("dashboard cell done")
+    p.wait_cell_text(3, ".nbengine-table", "t.includes('job-')", timeout_s=60)
+    mark("dashboard table shown")
+    for i in range(3):
+        p.wait_cell_text(
+            3, ".nbengine-table",
+            f"/job-{i}\\s*(RUNNING|WAITING)/.test(t)", timeout_s=60,
+        )
+    p.wait_cell_text(3, ".nbengine-kv", "t.includes('blocks')")
+    table = p.cell_text(3, ".nbengine-table")
+    assert re.search(r"story\s*FINISHED_ABORTED", table), table
+    mark("04-dashboard-running")
+    p.screenshot("04-dashboard-running")
+    p.click(3, ".nbengine-cancel-all")
+    mark("clicked cancel all")
+    for i in range(3):
+        p.wait_cell_text(3, ".nbengine-table", f"/job-{i}\\s*FINISHED_ABORTED/.test(t)",
+                         timeout_s=60)
+    mark("05-dashboard-cancel-all")
+    p.screenshot("05-dashboard-cancel-all")
+
+    # 5: Cancel during an `async for` cell: the click arrives while the cell runs.
+    p.run_cell(4)
+    p.wait_cell_running(4)
+    p.wait_cell_text(4, ".nbengine-badge", "t.includes('RUNNING')", timeout_s=60)
+    grown = len(p.wait_cell_text(4, ".nbengine-text", "t.length > 20"))
+    assert "[*]" in p.prompt(4)
+    mark("06-async-cell-running")
+    p.screenshot("06-async-cell-running")
+    p.click(4, ".nbengine-cancel")
+    p.wait_cell_done(4, timeout_s=60)
+    out = p.cell_text(4, ".jp-OutputArea")
+    assert "async done: FINISHED_ABORTED abort" in out, out
+    p.wait_cell_text(4, ".nbengine-badge", "t.includes('FINISHED_ABORTED')")
+    assert len(p.cell_text(4, ".nbengine-text")) >= grown
+    mark("07-async-cell-cancelled")
+    p.screenshot("07-async-cell-cancelled")
+
+    # 6: the timeline renders.
+    p.run_cell(5)
+    p.wait_cell_done(5)
+    out = p.cell_text(5, ".jp-OutputArea")
+    assert "FINISHED_ABORTED" in out and "RUNNING" in out, out
+    p.wait_cell_text(5, ".js-plotly-plot", "true", timeout_s=60)
+    mark("08-timeline")
+    p.screenshot("08-timeline")
+
+    p.run_cell(6)
+    p.wait_cell_done(6, timeout_s=60)
+    assert "engine stopped" in p.cell_text(6, ".jp-OutputArea")
