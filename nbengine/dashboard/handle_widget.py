@@ -149,7 +149,12 @@ class HandleView:
         w = self.widget
         self._set(w.badge, "value", badge_html(status))
         self._set(w.stats, "value", _stats_html(n, rate))
-        self._set(w.text, "value", _text_html(snap["text"]))
+        outputs = snap["outputs"]
+        if len(outputs) > 1:  # n > 1: every completion, one after the other
+            text = "\n\n".join(f"── completion {o['index']} ──\n{o['text']}" for o in outputs)
+        else:
+            text = snap["text"]
+        self._set(w.text, "value", _text_html(text))
         if snap["error"] and finished:
             self._set(w.title, "tooltip", snap["error"])
         done = finished and RequestStatus.is_finished(status)

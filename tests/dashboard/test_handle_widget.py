@@ -134,3 +134,13 @@ def test_widget_is_an_ipywidget_with_text_not_output(engine: nb.Engine) -> None:
     assert isinstance(w, widgets.VBox)
     assert isinstance(w.text, widgets.HTML)
     assert not any(isinstance(c, widgets.Output) for c in w.children)
+
+
+def test_widget_of_an_n2_request_shows_both_completions(engine: nb.Engine) -> None:
+    h = engine.generate("Once", nb.SamplingParams(n=2, max_tokens=6, ignore_eos=True,
+                                                  temperature=1.0, seed=1))
+    final = h.result()
+    w = h.widget()
+    assert "completion 0" in w.text.value and "completion 1" in w.text.value
+    assert '<span class="nbengine-tokens">12</span>' in w.stats.value
+    assert len(final.outputs) == 2
