@@ -325,6 +325,37 @@ class NotebookPage:
         target.scroll_into_view_if_needed(timeout=timeout_s * 1000)
         target.click(timeout=timeout_s * 1000)
 
+    def watch(self, i: int, selector: str, name: str) -> None:
+        """Record every text shown in an element of cell ``i`` from now on, even the
+        short-lived ones (a MutationObserver keeps each added node's text)."""
+        ok = self.page.evaluate(
+            f"""([i, sel, name]) => {{ {self._CELL_JS}
+                if (!el) return false;
+                window.__nbWatch = window.__nbWatch || {{}};
+                const seen = window.__nbWatch[name] = [el.textContent];
+                new MutationObserver((records) => {{
+                    for (const r of records) {{
+                        for (const n of r.addedNodes) seen.push(n.textContent);
+                    }}
+                    seen.push(el.textContent);
+                }}).observe(el, {{childList: true, subtree: true, characterData: true}});
+                return true;
+            }}""",
+            [i, selector, name],
+        )
+        if not ok:
+            raise AssertionError(f"nothing matches {selector!r} in cell {i}")
+
+    def watched(self, name: str) -> list[str]:
+        """The texts recorded by ``watch(..., name)``, in order, repeats collapsed."""
+        texts = self.page.evaluate("(name) => (window.__nbWatch || {})[name] || []", name)
+        out: list[str] = []
+        for t in texts:
+            t = str(t).strip()
+            if t and (not out or out[-1] != t):
+                out.append(t)
+        return out
+
     def is_disabled(self, i: int, selector: str) -> bool:
         return bool(self.page.evaluate(
             f"([i, sel]) => {{ {self._CELL_JS} return !!el && el.disabled; }}",

@@ -154,8 +154,11 @@ def _run_stages(p: NotebookPage) -> None:
     p.screenshot("01-handle-streaming")
 
     # 2: Cancel ends it; the badge says so.
+    p.watch(1, ".nbengine-badge", "story")
     p.click(1, ".nbengine-cancel")
     p.wait_cell_text(1, ".nbengine-badge", "t.includes('FINISHED_ABORTED')", timeout_s=60)
+    # The person saw RELEASING (the abort is decided), then the confirmed FINISHED_ABORTED.
+    assert p.watched("story")[-2:] == ["RELEASING", "FINISHED_ABORTED"], p.watched("story")
     assert p.is_disabled(1, ".nbengine-cancel")
     final_len = len(p.cell_text(1, ".nbengine-text"))
     mark("02-handle-cancelled")
@@ -204,11 +207,13 @@ def _run_stages(p: NotebookPage) -> None:
     assert "[*]" in p.prompt(4)
     mark("06-async-cell-running")
     p.screenshot("06-async-cell-running")
+    p.watch(4, ".nbengine-badge", "async")
     p.click(4, ".nbengine-cancel")
     p.wait_cell_done(4, timeout_s=60)
     out = p.cell_text(4, ".jp-OutputArea")
     assert "async done: FINISHED_ABORTED abort" in out, out
     p.wait_cell_text(4, ".nbengine-badge", "t.includes('FINISHED_ABORTED')")
+    assert p.watched("async")[-2:] == ["RELEASING", "FINISHED_ABORTED"], p.watched("async")
     assert len(p.cell_text(4, ".nbengine-text")) >= grown
     mark("07-async-cell-cancelled")
     p.screenshot("07-async-cell-cancelled")
