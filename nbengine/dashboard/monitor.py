@@ -86,6 +86,14 @@ class EngineMonitor:
         engine = self._engine_ref()
         return engine is not None and engine.is_alive and not self._closed
 
+    def _engine_running(self) -> bool:
+        """True while the engine's loop thread runs (final states may still arrive)."""
+        engine = self._engine_ref()
+        if engine is None:
+            return False
+        loop_thread = getattr(engine, "_loop_thread", None)
+        return loop_thread is None or loop_thread.is_alive()
+
     # ------------------------------------------------------- hooks (loop thread)
 
     def on_event(self, ev: LifecycleEvent) -> None:
@@ -163,7 +171,7 @@ class EngineMonitor:
 
         with self._lock:
             if self._updater is None:
-                self._updater = UIUpdater()
+                self._updater = UIUpdater(alive=self._engine_running)
                 if self._closed:
                     self._updater.stop()
             return self._updater

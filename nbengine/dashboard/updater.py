@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 __all__ = ["UIUpdater", "View"]
@@ -39,16 +40,25 @@ class View(Protocol):
 class UIUpdater:
     """A daemon thread that refreshes registered views about every ``interval`` seconds."""
 
-    def __init__(self, interval: float = DEFAULT_INTERVAL_S, name: str = "nbengine-ui") -> None:
+    def __init__(
+        self,
+        interval: float = DEFAULT_INTERVAL_S,
+        name: str = "nbengine-ui",
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        """``alive``: polled every tick; once it returns False (the engine's threads have
+        ended, or it was collected) the updater runs a last tick and stops by itself."""
         if interval <= 0:
             raise ValueError(f"interval must be positive, got {interval}.")
         self.interval = interval
         self.name = name
+        self._alive = alive
         # Reentrant: a refresh may call helpers that take it again on the same thread.
         self.lock = threading.RLock()
         self._views: dict[int, View] = {}
         self._stop = threading.Event()
         self._stopped = False
+        self._final_done = threading.Event()
         self._thread: threading.Thread | None = None
         self.ticks = 0  # completed ticks (for tests and diagnostics)
 
@@ -98,11 +108,17 @@ class UIUpdater:
             self.ticks += 1
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Run one last tick, then end the thread. Idempotent; callable from any thread."""
+        """Run one last tick, then end the thread. Idempotent; callable from any thread.
+
+        A second caller waits (up to ``timeout``) until the first one's last tick is done.
+        """
         with self.lock:
-            if self._stopped:
-                return
+            first = not self._stopped
             self._stopped = True
+        if not first:
+            if threading.current_thread() is not self._thread:
+                self._final_done.wait(timeout)
+            return
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
@@ -112,6 +128,7 @@ class UIUpdater:
         finally:
             with self.lock:
                 self._views.clear()
+            self._final_done.set()
 
     # ---------------------------------------------------------------- internals
 
@@ -125,6 +142,9 @@ class UIUpdater:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
+                if self._alive is not None and not self._alive():
+                    self.stop()  # a last tick shows the final states
+                    return
                 self.tick()
             except Exception:
                 logger.exception("UI updater tick failed")

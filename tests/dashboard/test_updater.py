@@ -128,3 +128,18 @@ def test_engine_shutdown_stops_the_updater_after_final_states(fresh_engine: nb.E
     assert "FINISHED_ABORTED" in w.badge.value  # failed at shutdown, shown before stopping
     assert w.cancel_button.disabled
     assert "engine stopped" in dash.title.value
+
+
+def test_updater_stops_by_itself_once_its_engine_is_gone() -> None:
+    alive = threading.Event()
+    alive.set()
+    updater = UIUpdater(interval=0.02, alive=alive.is_set)
+    view = CounterView()
+    updater.add(view)
+    wait_until(lambda: updater.ticks > 2, what="a few ticks")
+    view.value = 11
+    alive.clear()
+    wait_until(lambda: not updater.running, what="the updater to stop")
+    assert view.widget.value == 11  # the last tick ran
+    assert updater.stopped and updater.num_views == 0
+    updater.stop()  # a later explicit stop is a no-op
