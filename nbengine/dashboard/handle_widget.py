@@ -179,12 +179,26 @@ def make_handle_widget(handle: RequestHandle, updater: UIUpdater) -> HandleWidge
     return widget
 
 
-def handle_mimebundle(handle: RequestHandle, widget: HandleWidget | None, **kwargs: Any
-                      ) -> dict[str, Any]:
-    """The display data of a handle: its widget's view, with a stable text/plain."""
+def _in_kernel() -> bool:
+    """True inside a Jupyter kernel (where widgets can render)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def handle_mimebundle(handle: RequestHandle, **kwargs: Any) -> dict[str, Any]:
+    """The display data of a handle: its widget's view, with a stable text/plain.
+
+    Outside a kernel (a terminal IPython) only the text form is given and no widget is
+    created.
+    """
     plain = stable_text(handle.request_id)
-    if widget is None:
+    if not _in_kernel():
         return {"text/plain": plain}
+    widget = handle.widget()
     data = widgets.Widget._repr_mimebundle_(widget, **kwargs) or {}
     data["text/plain"] = plain
     return data

@@ -51,5 +51,5 @@ def install() -> None:
     Engine.plot_timeline = lambda self, **kw: self._monitor.plot_timeline(**kw)  # type: ignore
     RequestHandle.widget = lambda self: self._engine._monitor.handle_widget(self)  # type: ignore
     RequestHandle._repr_mimebundle_ = (  # type: ignore[attr-defined]
-        lambda self, **kw: handle_mimebundle(self, self.widget(), **kw)
+        lambda self, **kw: handle_mimebundle(self, **kw)
     )

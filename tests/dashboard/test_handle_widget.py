@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 
 import ipywidgets as widgets
+import pytest
 
 import nbengine as nb
 from dashboard_helpers import long_params, wait_until
+from nbengine.dashboard import handle_widget
 from nbengine.dashboard.handle_widget import HandleWidget
 from nbengine.request import RequestStatus
 
@@ -18,7 +20,10 @@ def _badge(w: HandleWidget) -> str:
     return w.badge.value
 
 
-def test_displaying_a_handle_gives_its_widget_and_a_stable_text_form(engine: nb.Engine) -> None:
+def test_displaying_a_handle_gives_its_widget_and_a_stable_text_form(
+    engine: nb.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(handle_widget, "_in_kernel", lambda: True)  # as in a notebook
     h = engine.generate("Once upon a time", long_params(), request_id="shown")
     try:
         bundle = h._repr_mimebundle_()
@@ -32,6 +37,14 @@ def test_displaying_a_handle_gives_its_widget_and_a_stable_text_form(engine: nb.
     finally:
         h.cancel()
     assert h._repr_mimebundle_()["text/plain"] == "RequestHandle(request_id='shown')"
+
+
+def test_outside_a_kernel_a_handle_displays_as_text_only(engine: nb.Engine) -> None:
+    h = engine.generate("Hi", nb.SamplingParams(max_tokens=2, ignore_eos=True),
+                        request_id="terminal")
+    h.result()
+    assert h._repr_mimebundle_() == {"text/plain": "RequestHandle(request_id='terminal')"}
+    assert getattr(h, "_widget", None) is None  # no widget was made
 
 
 def test_widget_streams_text_and_shows_the_final_state(engine: nb.Engine) -> None:
