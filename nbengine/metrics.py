@@ -22,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nbengine.request import RequestStatus
@@ -319,35 +320,51 @@ class MetricsLog:
 
         The count is cumulative, so a repeated or late call never double counts. Several
         new tokens in one delivery count as gaps of zero after the first one, which is
-        what a user streaming the output sees. Unknown keys are ignored.
+        what a user streaming the output sees. Unknown and finished keys are ignored.
         """
         with self._lock:
-            s = self._requests.get(key)
-            if s is None or s.finished:
-                return
-            if num_cached_tokens is not None and num_cached_tokens >= 0:
-                # Reported with the first outputs; later outputs may carry 0.
-                s.num_cached_tokens = max(s.num_cached_tokens or 0, num_cached_tokens)
-            new = num_output_tokens - s.timed_tokens
-            if new <= 0:
-                return
+            self._tokens_locked(key, num_output_tokens, now, num_cached_tokens)
+
+    def on_token_deltas(
+        self, deltas: Iterable[tuple[str, int, int | None]], now: float
+    ) -> None:
+        """``on_tokens`` for one core batch: ``(key, new tokens, num_cached_tokens)`` each,
+        counted on top of the tokens already recorded, under one lock acquisition."""
+        with self._lock:
+            for key, num_new, cached in deltas:
+                s = self._requests.get(key)
+                if s is not None:
+                    self._tokens_locked(key, s.timed_tokens + num_new, now, cached)
+
+    def _tokens_locked(
+        self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None
+    ) -> None:
+        s = self._requests.get(key)
+        if s is None or s.finished:
+            return
+        if num_cached_tokens is not None and num_cached_tokens >= 0:
+            # Reported with the first outputs; later outputs may carry 0.
+            s.num_cached_tokens = max(s.num_cached_tokens or 0, num_cached_tokens)
+        new = num_output_tokens - s.timed_tokens
+        if new > 0:
+            gap = 0.0 if s.last_token_time is None else now - s.last_token_time
             if s.first_token_time is None:
                 s.first_token_time = now
                 gaps = [0.0] * (new - 1)
             else:
-                gaps = [now - (s.last_token_time or now)] + [0.0] * (new - 1)
-            for gap in gaps:
+                gaps = [gap] + [0.0] * (new - 1)
+            for g in gaps:
                 s.itl_count += 1
-                s.itl_sum += gap
+                s.itl_sum += g
                 if len(s.itl_recent) >= self._max_itl:
                     s.itl_recent.popleft()
-                s.itl_recent.append(gap)
+                s.itl_recent.append(g)
             s.last_token_time = now
             s.timed_tokens = num_output_tokens
             if num_output_tokens > s.output_tokens:
                 self.total_output_tokens += num_output_tokens - s.output_tokens
                 s.output_tokens = num_output_tokens
-            self._version += 1
+        self._version += 1
 
     def on_scheduled(self, key: str, when: float) -> None:
         """The core scheduled ``key`` at ``when`` (its own clock reading, before the forward).
@@ -360,20 +377,6 @@ class MetricsLog:
             if s is not None and (s.first_scheduled_time is None or when < s.first_scheduled_time):
                 s.first_scheduled_time = when
                 self._version += 1
-
-    def on_token_delta(
-        self,
-        key: str,
-        num_new_tokens: int,
-        now: float,
-        num_cached_tokens: int | None = None,
-    ) -> None:
-        """``on_tokens`` with a count of new tokens instead of the running total."""
-        with self._lock:
-            s = self._requests.get(key)
-            total = None if s is None else s.timed_tokens + num_new_tokens
-        if total is not None:
-            self.on_tokens(key, total, now, num_cached_tokens)
 
     def on_step(self, stats: StepStats) -> None:
         """Record one engine step."""

@@ -120,12 +120,13 @@ class EngineMonitor:
         for ev in batch.events:
             if ev.status is RequestStatus.RUNNING:
                 self.metrics.on_scheduled(ev.request_id, ev.time)
-        for out in batch.outputs:
-            if out.new_token_ids or out.num_cached_tokens:
-                self.metrics.on_token_delta(
-                    out.request_id, len(out.new_token_ids), now,
-                    num_cached_tokens=out.num_cached_tokens,
-                )
+        deltas = [
+            (out.request_id, len(out.new_token_ids), out.num_cached_tokens)
+            for out in batch.outputs
+            if out.new_token_ids or out.num_cached_tokens
+        ]
+        if deltas:
+            self.metrics.on_token_deltas(deltas, now)
 
     # -------------------------------------------------------------- aborts (any)
 
