@@ -9,6 +9,23 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 
 
+def _check_types(obj: object, ints: tuple[str, ...], bools: tuple[str, ...] = (),
+                 numbers: tuple[str, ...] = ()) -> None:
+    """TypeError naming the field for a wrong type (None allowed where the default is None)."""
+    for name in ints:
+        value = getattr(obj, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {value!r}.")
+    for name in bools:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}.")
+    for name in numbers:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}.")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Which model to load and how.
@@ -23,6 +40,7 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_types(self, ints=("max_model_len",))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -44,6 +62,8 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
 
     def __post_init__(self) -> None:
+        _check_types(self, ints=("block_size", "num_kv_blocks"), bools=("enable_prefix_caching",),
+                     numbers=("kv_cache_memory_gb",))
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -69,6 +89,8 @@ class SchedulerConfig:
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        _check_types(self, ints=("max_num_seqs", "max_num_batched_tokens", "stream_interval"),
+                     bools=("enable_chunked_prefill",))
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:

@@ -121,6 +121,9 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
             )
         _check_int("stream_interval", self.stream_interval, minimum=1)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
 
     @property
     def greedy(self) -> bool:
