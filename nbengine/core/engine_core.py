@@ -102,6 +102,12 @@ class EngineCore:
         params = request.sampling_params
         if params.n != 1:
             raise ValueError(f"Request {rid!r}: the engine core takes n=1 (got n={params.n}).")
+        for k in (params.logprobs, params.prompt_logprobs):
+            if k is not None and k > vocab:
+                raise ValueError(
+                    f"Request {rid!r}: {k} log-probabilities asked for, but the model's "
+                    f"vocabulary has {vocab} tokens."
+                )
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
