@@ -1,0 +1,287 @@
+"""Bad inputs: each raises a clear exception at the call and leaves no state behind.
+
+Every row here has a matching row in docs/errors.md. After each rejected call the
+engine still serves requests, the request id used is not reserved (it works at
+once), and nothing is held in the core or the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import nbengine as nb
+from nbengine.model.errors import ModelLoadError
+
+from .conftest import ENGINE_KW, WAIT_S, assert_quiescent
+
+SP = nb.SamplingParams
+
+# (field values, exception type, a fragment of the message naming the problem)
+BAD_PARAMS: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"n": 0}, ValueError, "n must be at least 1"),
+    ({"n": 1.5}, TypeError, "n must be an int"),
+    ({"temperature": -0.5}, ValueError, "temperature must be non-negative"),
+    ({"temperature": float("nan")}, ValueError, "temperature must be finite"),
+    ({"temperature": "hot"}, TypeError, "temperature must be a number"),
+    ({"top_p": 0.0}, ValueError, "top_p must be in (0, 1]"),
+    ({"top_p": 1.5}, ValueError, "top_p must be in (0, 1]"),
+    ({"top_k": -2}, ValueError, "top_k must be 0 or -1"),
+    ({"top_k": 2.0}, TypeError, "top_k must be an int"),
+    ({"min_p": 1.5}, ValueError, "min_p must be in [0, 1]"),
+    ({"seed": 1.5}, TypeError, "seed must be an int"),
+    ({"max_tokens": 0}, ValueError, "max_tokens must be at least 1"),
+    ({"max_tokens": "3"}, TypeError, "max_tokens must be an int"),
+    ({"min_tokens": -1}, ValueError, "min_tokens must be at least 0"),
+    ({"min_tokens": 5, "max_tokens": 2}, ValueError, "min_tokens must be less than or equal"),
+    ({"stop": 3}, TypeError, "stop must be a string or a list of strings"),
+    ({"stop": [""]}, ValueError, "stop must not contain an empty string"),
+    ({"stop": ["ok", 1]}, TypeError, "stop must contain only strings"),
+    ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a list of ints"),
+    ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids must be at least 0"),
+    ({"ignore_eos": "yes"}, TypeError, "ignore_eos must be True or False"),
+    ({"include_stop_str_in_output": 1}, TypeError, "include_stop_str_in_output must be True"),
+    ({"skip_special_tokens": None}, TypeError, "skip_special_tokens must be True or False"),
+    ({"presence_penalty": 3.0}, ValueError, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": -3.0}, ValueError, "frequency_penalty must be in [-2, 2]"),
+    ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty must be greater than zero"),
+    ({"logprobs": -1}, ValueError, "logprobs must be at least 0"),
+    ({"prompt_logprobs": -1}, ValueError, "prompt_logprobs must be at least 0"),
+    ({"logit_bias": [1]}, TypeError, "logit_bias must be a dict"),
+    ({"logit_bias": {-1: 1.0}}, ValueError, "logit_bias must be at least 0"),
+    ({"logit_bias": {1: float("inf")}}, ValueError, "logit_bias must be finite"),
+    ({"output_kind": 1}, TypeError, "output_kind must be a RequestOutputKind"),
+    ({"stream_interval": 0}, ValueError, "stream_interval must be at least 1"),
+]
+
+
+def _works(engine: nb.Engine, request_id: str = "probe") -> None:
+    """The engine still serves, and ``request_id`` is free."""
+    out = engine.generate(
+        "Once upon", SP(max_tokens=3, ignore_eos=True), request_id=request_id
+    ).result(timeout=WAIT_S)
+    assert out.request_id == request_id
+    assert len(out.outputs[0].token_ids) == 3
+    assert_quiescent(engine)
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "fragment"), BAD_PARAMS,
+                         ids=[",".join(k) + f"={list(k.values())[0]!r}" for k, _, _ in BAD_PARAMS])
+def test_invalid_sampling_params_raise_naming_the_field(
+    kwargs: dict[str, Any], exc: type[Exception], fragment: str
+) -> None:
+    with pytest.raises(exc) as info:
+        SP(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_request_level_rejections_leave_no_state(engine: nb.Engine) -> None:
+    vocab = engine._vocab_size
+    max_len = engine._max_model_len
+    cases: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
+        # (prompt, generate kwargs, exception, message fragment)
+        ("hi", {"request_id": 5}, TypeError, "request_id must be a string"),
+        ("hi", {"request_id": b"x"}, TypeError, "request_id must be a string"),
+        ("", {}, ValueError, "The prompt is empty"),
+        ([], {}, ValueError, "The prompt is empty"),
+        (None, {}, TypeError, "prompt must be a str or a list of token ids"),
+        (b"abc", {}, TypeError, "prompt must be a str or a list of token ids"),
+        ([5] * (max_len + 1), {}, ValueError, f"more than max_model_len={max_len}"),
+        ("hello " * max_len, {}, ValueError, f"more than max_model_len={max_len}"),
+        ([1, -1], {}, ValueError, "outside the model's vocabulary"),
+        ([1, vocab], {}, ValueError, f"outside the model's vocabulary (0..{vocab - 1})"),
+        ([1, 10**12], {}, ValueError, "outside the model's vocabulary"),
+        ([1, 2.0], {}, TypeError, "Prompt token ids must be ints"),
+        ([1, True], {}, TypeError, "Prompt token ids must be ints"),
+        ("hi", {"sampling_params": {"max_tokens": 3}}, TypeError,
+         "sampling_params must be a SamplingParams"),
+        ("hi", {"priority": "high"}, TypeError, "priority must be an int"),
+        ("hi", {"sampling_params": SP(logprobs=vocab + 1)}, ValueError,
+         "more log-probabilities than the model's vocabulary"),
+        ("hi", {"sampling_params": SP(prompt_logprobs=vocab + 1)}, ValueError,
+         "more log-probabilities than the model's vocabulary"),
+    ]
+    for prompt, kw, exc, fragment in cases:
+        rid = kw.get("request_id", "bad-input")
+        kw = {"request_id": "bad-input", **kw}
+        with pytest.raises(exc) as info:
+            engine.generate(prompt, **kw)
+        assert fragment in str(info.value), (prompt, kw, str(info.value))
+        assert engine.is_alive
+        assert engine.num_unfinished_requests() == 0
+        if isinstance(rid, str):
+            _works(engine, rid)  # the id was not reserved
+    _works(engine)
+
+
+def test_out_of_vocab_ids_in_params_are_harmless(engine: nb.Engine) -> None:
+    """stop_token_ids / logit_bias keys beyond the vocabulary never match; no crash."""
+    vocab = engine._vocab_size
+    for params in (
+        SP(max_tokens=4, ignore_eos=True, stop_token_ids=[vocab + 7]),
+        SP(max_tokens=4, ignore_eos=True, logit_bias={vocab + 7: 5.0}),
+        SP(max_tokens=4, ignore_eos=True, logprobs=vocab),  # the whole vocabulary is fine
+    ):
+        out = engine.generate("Once upon", params).result(timeout=WAIT_S)
+        assert out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == 4
+    _works(engine)
+
+
+def test_bad_abort_arguments(engine: nb.Engine) -> None:
+    with pytest.raises(TypeError, match="request ids must be a string or an iterable"):
+        engine.abort(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="request ids must be strings"):
+        engine.abort(["a", 5])  # type: ignore[list-item]
+    assert engine.abort("never-seen") is None  # unknown: a no-op
+    assert engine.abort(["x", "y"]) == [None, None]
+    _works(engine)
+
+
+def test_id_in_use_is_rejected_without_disturbing_the_live_request(engine: nb.Engine) -> None:
+    live = engine.generate("Once upon", SP(max_tokens=100_000, ignore_eos=True), request_id="x")
+    with pytest.raises(nb.RequestIdInUseError, match="'x' is already in use"):
+        engine.generate("another", SP(max_tokens=2), request_id="x")
+    assert not live.done()
+    final = live.cancel(timeout=WAIT_S)
+    assert final is not None and final.outputs[0].finish_reason == "abort"
+    assert final.prompt == "Once upon"
+    _works(engine, "x")
+
+
+def test_generate_after_shutdown_raises(tiny_model: Path) -> None:
+    engine = nb.Engine(str(tiny_model), **ENGINE_KW)
+    engine.shutdown()
+    with pytest.raises(nb.EngineDeadError, match="shut down"):
+        engine.generate("hi")
+    assert engine.abort("hi") is None  # abort after shutdown is a no-op
+    engine.shutdown()  # idempotent
+
+
+# --------------------------------------------------------------------- engines
+
+
+def _copy(tiny_model: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model, d)
+    return d
+
+
+def _corrupt_config(d: Path) -> None:
+    (d / "config.json").write_text("{not json")
+
+
+def _garbage_weights(d: Path) -> None:
+    (d / "model.safetensors").write_bytes(b"garbage" * 10)
+
+
+def _truncated_weights(d: Path) -> None:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _no_weights(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+
+
+def _no_config(d: Path) -> None:
+    (d / "config.json").unlink()
+
+
+def _no_tokenizer(d: Path) -> None:
+    (d / "tokenizer.json").unlink()
+
+
+def _bad_tokenizer(d: Path) -> None:
+    (d / "tokenizer.json").write_text("{}")
+
+
+def _unknown_arch(d: Path) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    cfg["model_type"] = "foo"
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _missing_tensor(d: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(d / "model.safetensors"))
+    w.pop("model.norm.weight")
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+BROKEN_DIRS = [
+    (_corrupt_config, ModelLoadError, "Cannot parse"),
+    (_no_config, ModelLoadError, "config.json"),
+    (_garbage_weights, ModelLoadError, "Cannot open weight file"),
+    (_truncated_weights, ModelLoadError, "Cannot open weight file"),
+    (_no_weights, ModelLoadError, "No weights"),
+    (_missing_tensor, ModelLoadError, "model.norm.weight"),
+    (_no_tokenizer, ModelLoadError, "No tokenizer.json"),
+    (_bad_tokenizer, ModelLoadError, "Cannot load"),
+    (_unknown_arch, ModelLoadError, "Unsupported architecture ['FooForCausalLM']"),
+]
+
+
+@pytest.mark.parametrize(("breaker", "exc", "fragment"), BROKEN_DIRS,
+                         ids=[b.__name__.strip("_") for b, _, _ in BROKEN_DIRS])
+def test_broken_model_directory(
+    tiny_model: Path, tmp_path: Path, breaker: Any, exc: type[Exception], fragment: str
+) -> None:
+    d = _copy(tiny_model, tmp_path)
+    breaker(d)
+    with pytest.raises(exc) as info:
+        nb.Engine(str(d), **ENGINE_KW)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)  # ModelLoadError is a ValueError
+
+
+def test_missing_model_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        nb.Engine(str(tmp_path / "nope"))
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    with pytest.raises(ModelLoadError, match="is not a directory"):
+        nb.Engine(str(f))
+    with pytest.raises(TypeError, match="model must be a path"):
+        nb.Engine(5)  # type: ignore[arg-type]
+
+
+BAD_ENGINE_KW: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"foo": 1}, TypeError, "Unknown engine argument 'foo'"),
+    ({"dtype": "float8"}, ValueError, "dtype must be one of"),
+    ({"block_size": 0}, ValueError, "block_size must be at least 1"),
+    ({"block_size": "16"}, TypeError, "block_size must be an int"),
+    ({"num_kv_blocks": 0}, ValueError, "num_kv_blocks must be at least 1"),
+    ({"num_kv_blocks": 8.5}, TypeError, "num_kv_blocks must be an int"),
+    ({"max_num_seqs": 0}, ValueError, "max_num_seqs must be at least 1"),
+    ({"max_num_seqs": 2.5}, TypeError, "max_num_seqs must be an int"),
+    ({"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens must be at least 1"),
+    ({"policy": "lifo"}, ValueError, "policy must be one of"),
+    ({"max_model_len": 0}, ValueError, "max_model_len must be at least 1"),
+    ({"max_model_len": 10**6}, ValueError, "larger than the model's maximum context"),
+    ({"seed": "x"}, TypeError, "seed must be an int"),
+    ({"stream_interval": 0}, ValueError, "stream_interval must be at least 1"),
+    ({"kv_cache_memory_gb": 0}, ValueError, "kv_cache_memory_gb must be positive"),
+    ({"enable_prefix_caching": "no"}, TypeError, "enable_prefix_caching must be True or False"),
+    ({"enable_chunked_prefill": 1}, TypeError, "enable_chunked_prefill must be True or False"),
+]
+
+
+def test_bad_engine_kwargs_raise_and_start_no_threads(tiny_model: Path) -> None:
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    for kw, exc, fragment in BAD_ENGINE_KW:
+        with pytest.raises(exc) as info:
+            nb.Engine(str(tiny_model), **kw)
+        assert fragment in str(info.value), (kw, str(info.value))
+    assert {t.ident for t in threading.enumerate()} <= before
+    # ... and a good engine starts fine afterwards.
+    with nb.Engine(str(tiny_model), **ENGINE_KW) as engine:
+        _works(engine)

@@ -1,0 +1,258 @@
+"""Fault injection on real objects: a failing forward, a failing tokenizer, a dying
+core thread, a KV pool too small for any prompt.
+
+Each fault ends every affected request with a clear per-request error (a final
+output with finish_reason "error"/status FINISHED_ERROR and ``error`` set) or an
+``EngineDeadError``; no caller hangs (every wait here has a timeout); and a new
+Engine works afterwards in the same process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import nbengine as nb
+from nbengine.request import RequestStatus
+
+from .conftest import ENGINE_KW, WAIT_S, assert_quiescent, call_with_timeout
+
+SP = nb.SamplingParams
+
+
+def _long() -> nb.SamplingParams:
+    return SP(max_tokens=100_000, ignore_eos=True)
+
+
+def _fresh_engine_works(tiny_model: Path) -> None:
+    with nb.Engine(str(tiny_model), **ENGINE_KW) as engine:
+        out = engine.generate("Once upon", SP(max_tokens=4, ignore_eos=True)).result(WAIT_S)
+        assert len(out.outputs[0].token_ids) == 4
+        assert_quiescent(engine)
+
+
+def _ended_with_error(handle: nb.RequestHandle, fragment: str) -> str:
+    """The handle ends (within the timeout) with a clear error naming ``fragment``.
+
+    Returns "dead" when ``result()`` raised EngineDeadError, "error" when the final
+    output is a per-request error.
+    """
+    try:
+        final = handle.result(timeout=WAIT_S)
+    except nb.EngineDeadError as exc:
+        assert fragment in str(exc), str(exc)
+        assert handle.done()
+        return "dead"
+    assert final.finished
+    assert final.status is RequestStatus.FINISHED_ERROR, final.status
+    assert all(c.finish_reason == "error" for c in final.outputs)
+    assert final.error is not None and fragment in final.error, final.error
+    return "error"
+
+
+def _consume_sync(handle: nb.RequestHandle, box: dict[str, Any]) -> None:
+    try:
+        box["outs"] = list(handle)
+    except BaseException as exc:  # recorded for the assertion on the test's thread
+        box["error"] = exc
+
+
+def _consume_async(handle: nb.RequestHandle, box: dict[str, Any]) -> None:
+    async def main() -> list[nb.RequestOutput]:
+        return [out async for out in handle]
+
+    try:
+        box["outs"] = asyncio.run(main())
+    except BaseException as exc:
+        box["error"] = exc
+
+
+def _start_consumers(engine: nb.Engine) -> list[tuple[threading.Thread, dict[str, Any]]]:
+    consumers = []
+    for fn in (_consume_sync, _consume_async):
+        h = engine.generate("A consumer", _long())
+        box: dict[str, Any] = {}
+        t = threading.Thread(target=fn, args=(h, box), daemon=True)
+        t.start()
+        consumers.append((t, box))
+    return consumers
+
+
+def _check_consumers_ended(consumers: list[tuple[threading.Thread, dict[str, Any]]],
+                           fragment: str) -> None:
+    for t, box in consumers:
+        t.join(WAIT_S)
+        assert not t.is_alive(), "a consumer of a failed engine hangs"
+        if "error" in box:
+            assert isinstance(box["error"], nb.EngineDeadError), repr(box["error"])
+            assert fragment in str(box["error"])
+        else:
+            outs = box["outs"]
+            assert outs and outs[-1].finished
+            assert sum(o.finished for o in outs) == 1
+            assert outs[-1].status is RequestStatus.FINISHED_ERROR
+
+
+def _check_dead(engine: nb.Engine, fragment: str) -> None:
+    assert not engine.is_alive
+    with pytest.raises(nb.EngineDeadError) as info:
+        engine.generate("after the failure")
+    assert fragment in str(info.value)
+    assert engine.abort("anything") is None
+    call_with_timeout(engine.shutdown)
+    assert not engine.is_alive
+
+
+@pytest.mark.parametrize("fail_at", [1, 4])
+def test_forward_raising_at_step_k(tiny_model: Path, fail_at: int) -> None:
+    engine = nb.Engine(str(tiny_model), **ENGINE_KW)
+    model = engine._core.runner.model  # type: ignore[attr-defined]
+    real_forward = model.forward
+    calls = {"n": 0}
+    started = threading.Event()
+
+    def failing_forward(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            started.wait(WAIT_S)  # every request below has been submitted
+            raise RuntimeError("injected forward failure")
+        return real_forward(*args, **kwargs)
+
+    model.forward = failing_forward
+    try:
+        handles = [engine.generate(f"Prompt {i}", _long()) for i in range(3)]
+        consumers = _start_consumers(engine)
+        started.set()
+        kinds = {_ended_with_error(h, "injected forward failure") for h in handles}
+        assert kinds <= {"dead", "error"}
+        _check_consumers_ended(consumers, "injected forward failure")
+        _check_dead(engine, "injected forward failure")
+    finally:
+        engine.shutdown()
+    _fresh_engine_works(tiny_model)
+
+
+def test_tokenizer_raising_while_decoding(tiny_model: Path) -> None:
+    engine = nb.Engine(str(tiny_model), **ENGINE_KW)
+    tokenizer = engine.tokenizer
+    real_decode = tokenizer.decode
+    calls = {"n": 0}
+    started = threading.Event()
+
+    def failing_decode(ids: Any, skip_special_tokens: bool = True) -> str:
+        calls["n"] += 1
+        if calls["n"] >= 6:  # fails from now on, also while flushing text at the end
+            started.wait(WAIT_S)
+            raise RuntimeError("injected decode failure")
+        return real_decode(ids, skip_special_tokens=skip_special_tokens)
+
+    tokenizer.decode = failing_decode  # type: ignore[method-assign]
+    try:
+        handles = [engine.generate(f"Prompt {i}", _long()) for i in range(3)]
+        consumers = _start_consumers(engine)
+        started.set()
+        for h in handles:
+            assert _ended_with_error(h, "injected decode failure") == "dead"
+        _check_consumers_ended(consumers, "injected decode failure")
+        _check_dead(engine, "injected decode failure")
+    finally:
+        engine.shutdown()
+    _fresh_engine_works(tiny_model)
+
+
+def test_core_thread_dying(tiny_model: Path) -> None:
+    """The core thread ends with an exception its loop does not catch."""
+    engine = nb.Engine(str(tiny_model), **ENGINE_KW)
+    core = engine._core
+    real_step = core.step
+    calls = {"n": 0}
+    started = threading.Event()
+
+    def dying_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            started.wait(WAIT_S)
+            raise SystemExit("injected core thread death")
+        return real_step()
+
+    core.step = dying_step  # type: ignore[method-assign]
+    try:
+        handles = [engine.generate(f"Prompt {i}", _long()) for i in range(3)]
+        consumers = _start_consumers(engine)
+        started.set()
+        for h in handles:
+            assert _ended_with_error(h, "injected core thread death") == "dead"
+        _check_consumers_ended(consumers, "injected core thread death")
+        _check_dead(engine, "injected core thread death")
+    finally:
+        engine.shutdown()
+    _fresh_engine_works(tiny_model)
+
+
+def test_core_thread_vanishing_silently(tiny_model: Path) -> None:
+    """Even if the core's death is never reported, waiters notice and do not hang."""
+    engine = nb.Engine(str(tiny_model), **ENGINE_KW)
+    engine._on_core_exit = lambda error: None  # type: ignore[method-assign]
+    core = engine._core
+    real_step = core.step
+    calls = {"n": 0}
+
+    def vanishing_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise SystemExit("gone")
+        return real_step()
+
+    core.step = vanishing_step  # type: ignore[method-assign]
+    try:
+        handles = [engine.generate(f"Prompt {i}", _long()) for i in range(2)]
+        for h in handles:
+            with pytest.raises(nb.EngineDeadError):
+                h.result(timeout=WAIT_S)
+        try:  # generate() may still accept (nobody told the loop) ...
+            late = engine.generate("after", SP(max_tokens=2))
+        except nb.EngineDeadError:
+            pass
+        else:  # ... but then its handle fails instead of hanging
+            with pytest.raises(nb.EngineDeadError):
+                late.result(timeout=WAIT_S)
+    finally:
+        call_with_timeout(engine.shutdown)
+    _fresh_engine_works(tiny_model)
+
+
+def test_kv_pool_too_small_for_any_prompt(tiny_model: Path) -> None:
+    with nb.Engine(str(tiny_model), num_kv_blocks=1, block_size=4) as engine:
+        h = engine.generate("Once upon a time there was", SP(max_tokens=4), request_id="big")
+        final = h.result(timeout=WAIT_S)
+        assert final.status is RequestStatus.FINISHED_IGNORED
+        assert final.outputs[0].finish_reason == "length"
+        assert final.outputs[0].token_ids == []
+        assert final.error is not None and "KV blocks" in final.error, final.error
+        # The id is free again, the engine still serves prompts that fit ...
+        small = engine.generate([1, 2], SP(max_tokens=10, ignore_eos=True), request_id="big")
+        out = small.result(timeout=WAIT_S)
+        # ... capped by the pool: 4 tokens in all, 2 of them the prompt.
+        assert out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == 2
+        assert_quiescent(engine)
+    _fresh_engine_works(tiny_model)
+
+
+def test_kv_pool_pressure_preempts_and_everyone_finishes(tiny_model: Path) -> None:
+    """A pool that holds only one request at a time: all finish, full length, no leak."""
+    with nb.Engine(str(tiny_model), num_kv_blocks=4, block_size=4, max_num_seqs=8) as engine:
+        handles = [
+            engine.generate([1, 10 + i, 20 + i], SP(max_tokens=8, ignore_eos=True))
+            for i in range(5)
+        ]
+        for h in handles:
+            out = h.result(timeout=WAIT_S)
+            assert out.outputs[0].finish_reason == "length"
+            assert len(out.outputs[0].token_ids) == 8
+        assert sum(s.num_preemptions for s in engine._steps) > 0
+        assert_quiescent(engine)
