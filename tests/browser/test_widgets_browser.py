@@ -44,10 +44,11 @@ def _require_chromium() -> None:
     pytest.skip(f"{CHROMIUM} is missing")
 
 
-def _model_source(tmp: Path) -> str:
-    """Python source that evaluates to the model argument of nb.Engine in the kernel."""
+def _engine_args(tmp: Path) -> str:
+    """Python source of nb.Engine's arguments in the kernel: the shipped default model
+    when there is one, else a tiny random model written to ``tmp``."""
     if DEFAULT_MODEL.exists():
-        return "None"
+        return "max_num_seqs=8"
     from nbengine.testing import make_tiny_model
 
     path = make_tiny_model(
@@ -55,15 +56,15 @@ def _model_source(tmp: Path) -> str:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=16384,
     )
-    return repr(str(path))
+    return (f"{str(path)!r}, num_kv_blocks=4096, block_size=16, max_num_seqs=8, "
+            "max_num_batched_tokens=256")
 
 
-def _cells(model: str) -> list[str]:
+def _cells(engine_args: str) -> list[str]:
     setup = "\n".join([
         "import sys; sys.path.insert(0, %r); import _shim; _shim.install()  # TEMP" % str(REPO / "tests" / "dashboard"),
         "import nbengine as nb",
-        f"engine = nb.Engine({model}, num_kv_blocks=4096, block_size=16, max_num_seqs=8,",
-        "                   max_num_batched_tokens=256)",
+        f"engine = nb.Engine({engine_args})",
         "LONG_TOKENS = engine._max_model_len - 64",
         "print('engine ready')",
     ])
@@ -104,7 +105,7 @@ def test_widgets_in_jupyterlab(tmp_path: Path) -> None:
 
     root = tmp_path / "root"
     root.mkdir()
-    write_notebook(root / "widgets.ipynb", _cells(_model_source(tmp_path)))
+    write_notebook(root / "widgets.ipynb", _cells(_engine_args(tmp_path)))
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     for old in SCREENSHOTS.glob("*.png"):
         old.unlink()
