@@ -15,7 +15,6 @@ from __future__ import annotations
 import html
 import math
 import time
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -49,7 +48,7 @@ def _cell(text: str, width: str, cls: str) -> widgets.HTML:
 class _Row:
     """One pooled table row; ``key``/``request_id`` name the request shown (None: hidden)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self) -> None:
         self.request_id: str | None = None
         self.key: str | None = None
         self.cancelled = False
@@ -86,7 +85,7 @@ class Dashboard(widgets.VBox):
         head = widgets.HBox(
             [_cell(f"<b>{name}</b>", width, "nbengine-col") for name, width in _COLS]
         )
-        self.rows = [_Row(i) for i in range(max_rows)]
+        self.rows = [_Row() for _ in range(max_rows)]
         self.more = widgets.HTML("")
         self.more.add_class("nbengine-more")
         table = widgets.VBox([head, *[r.box for r in self.rows], self.more])
@@ -194,8 +193,7 @@ class DashboardView:
         dash = self.dash
         n_live = sum(c for s, c in counts.items() if not RequestStatus.is_finished(s))
         n_done = sum(counts.values()) - n_live
-        by_status = Counter({s.name: c for s, c in counts.items() if c})
-        parts = ", ".join(f"{c} {name}" for name, c in sorted(by_status.items()))
+        parts = ", ".join(f"{counts[s]} {s.name}" for s in RequestStatus if counts.get(s))
         alive = self.monitor.engine_alive()
         state = "" if alive else " — engine stopped"
         self._set(dash.title, "value",
