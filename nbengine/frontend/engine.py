@@ -76,6 +76,60 @@ def _shutdown_all_engines() -> None:
 atexit.register(_shutdown_all_engines)
 
 
+def _core_thread_main(
+    engine_ref: weakref.ref[Engine],
+    core: EngineCore,
+    input_queue: queue.Queue[EngineCoreMessage],
+) -> None:
+    """Body of the ``nbengine-core`` thread.
+
+    It holds its Engine only weakly: an engine that nobody references any more (its
+    notebook cell was re-executed) can be garbage-collected, and its finalizer
+    (``_reap_engine``) then stops both threads and frees the model.
+    """
+
+    def emit(outputs: EngineCoreOutputs) -> None:
+        engine = engine_ref()
+        if engine is not None:
+            engine._emit(outputs)
+
+    error: str | None = None
+    try:
+        core.run_busy_loop(input_queue, emit)
+    except BaseException as exc:  # run_busy_loop reports step failures itself
+        logger.exception("engine core loop crashed")
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        engine = engine_ref()
+        if engine is not None:
+            engine._call_soon(engine._on_core_exit, error)
+
+
+def _reap_engine(
+    core_queue: queue.Queue[EngineCoreMessage],
+    core_thread: threading.Thread,
+    core: EngineCore,
+    exit_stack: contextlib.ExitStack,
+) -> None:
+    """Finalizer of an Engine garbage-collected without ``shutdown()``.
+
+    The GC may run it on any thread, the engine's own included, so the blocking part
+    (join the core thread, free the model, stop the loop) runs on a short-lived thread.
+    """
+
+    def reap() -> None:
+        core_queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
+        core_thread.join(10.0)
+        try:
+            if not core_thread.is_alive():
+                core.shutdown()
+            exit_stack.close()
+        except Exception:
+            logger.exception("reaping an unreferenced engine failed")
+
+    threading.Thread(target=reap, name="nbengine-reaper", daemon=True).start()
+
+
 def _boxed(fn: Callable[..., T], *args: Any) -> tuple[T]:
     return (fn(*args),)
 
@@ -143,11 +197,14 @@ class Engine:
         self._incarnations = itertools.count(1)
         self._auto_ids = itertools.count()
         self._core_queue: queue.Queue[EngineCoreMessage] = queue.Queue()
+        # The processor reaches the engine through a weak reference, so that dropping
+        # the last user reference frees the engine at once (no reference cycle).
+        ref = weakref.ref(self)
         self._processor = OutputProcessor(
             tokenizer,
-            send_abort=self._send_abort,
-            on_event=lambda ev: self._on_event(ev),
-            on_step=lambda st: self._on_step(st),
+            send_abort=lambda keys: ref()._send_abort(keys),  # type: ignore[union-attr]
+            on_event=lambda ev: ref()._on_event(ev),  # type: ignore[union-attr]
+            on_step=lambda st: ref()._on_step(st),  # type: ignore[union-attr]
         )
 
         self._exit_stack = contextlib.ExitStack()
@@ -162,11 +219,20 @@ class Engine:
             self._core.shutdown()
             raise
         self._core_thread = threading.Thread(
-            target=self._core_main, name="nbengine-core", daemon=True
+            target=_core_thread_main,
+            args=(weakref.ref(self), self._core, self._core_queue),
+            name="nbengine-core",
+            daemon=True,
         )
         self._core_dead_since: float | None = None
         self._core_thread.start()
         _live_engines.add(self)
+        # Unreferenced without shutdown() (a re-executed cell): stop the threads anyway.
+        self._finalizer = weakref.finalize(
+            self, _reap_engine, self._core_queue, self._core_thread, self._core,
+            self._exit_stack,
+        )
+        self._finalizer.atexit = False  # at exit, _shutdown_all_engines does it
 
     # ------------------------------------------------------------- event hooks
 
@@ -179,16 +245,6 @@ class Engine:
         self._steps.append(stats)
 
     # ------------------------------------------------------------ core thread
-
-    def _core_main(self) -> None:
-        error: str | None = None
-        try:
-            self._core.run_busy_loop(self._core_queue, self._emit)
-        except BaseException as exc:  # run_busy_loop reports step failures itself
-            logger.exception("engine core loop crashed")
-            error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._call_soon(self._on_core_exit, error)
 
     def _emit(self, outputs: EngineCoreOutputs) -> None:
         """Core thread: hand a batch to the loop without blocking."""
@@ -538,6 +594,7 @@ class Engine:
                 return
             self._closed = True
         _live_engines.discard(self)
+        self._finalizer.detach()
         reason = "The engine has been shut down."
         if self._loop_thread.is_alive():
             try:

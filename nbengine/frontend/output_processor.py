@@ -239,6 +239,12 @@ class OutputProcessor:
                 self._add_tokens(live, child, out, now)
                 updated.add(child.key)
                 touched[live.request_id] = live
+        if batch.engine_error is not None:
+            # The core is dead: every live request fails with EngineDeadError, below.
+            for live in touched.values():
+                self._publish(live, updated, now)
+            self.fail_all(f"The engine core failed: {batch.engine_error}")
+            return
         for key in batch.finished:
             child = self.keys.pop(key, None)
             if child is None:
@@ -249,8 +255,6 @@ class OutputProcessor:
             touched[live.request_id] = live
         for live in touched.values():
             self._publish(live, updated, now)
-        if batch.engine_error is not None:
-            self.fail_all(f"The engine core failed: {batch.engine_error}")
 
     def _add_prompt_logprobs(
         self, live: LiveRequest, new: list[PositionLogprobs | None]
