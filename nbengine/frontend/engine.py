@@ -527,6 +527,10 @@ class Engine:
             futures = self._call_on_loop(self._start_aborts, ids)
         except EngineDeadError:
             return None if single else [None] * len(ids)
+        if self._on_engine_thread():
+            # Called from the loop itself (a hook): waiting would deadlock; report what is known.
+            done = [f.result() if f is not None and f.done() else None for f in futures]
+            return done[0] if single else done
         deadline = None if timeout is None else time.monotonic() + timeout
         results = [
             None if f is None else self._wait_future(f, deadline, f"abort of {rid!r}")
@@ -547,6 +551,9 @@ class Engine:
         return results[0] if single else results
 
     def _abort_handle(self, handle: RequestHandle, timeout: float | None) -> RequestOutput | None:
+        if handle._final is None and self._on_engine_thread():
+            self._abort_handle_nowait(handle)  # never block the engine's own threads
+            return handle._final
         if handle._final is None:
             try:
                 fut = self._call_on_loop(self._start_abort_handle, handle)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import sniffio
 
-from nbengine.outputs import CompletionOutput, RequestOutput
+from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -367,8 +367,16 @@ class RequestHandle:
             raise EngineDeadError(str(self._error))
         return self._final
 
-    def cancel(self, timeout: float | None = None) -> RequestOutput | None:
-        """Abort this request (``engine.abort`` of this incarnation); return its final output."""
+    def cancel(self, timeout: float | None = None, wait: bool = True) -> RequestOutput | None:
+        """Abort this request (``engine.abort`` of this incarnation); return its final output.
+
+        Blocks until the core confirms (TimeoutError after ``timeout``; the abort still
+        completes later). ``wait=False`` only requests the abort and returns None at once
+        (for UI callbacks); the final output then arrives through the handle as usual.
+        """
+        if not wait:
+            self._engine._abort_handle_nowait(self)
+            return self._final
         return self._engine._abort_handle(self, timeout)
 
     def _cancel_quietly(self, block: bool) -> None:

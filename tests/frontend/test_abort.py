@@ -181,3 +181,11 @@ def test_keyboard_interrupt_in_result_cancels_and_confirms(engine: nb.Engine) ->
     with pytest.raises(KeyboardInterrupt):
         h.result()
     assert h.done() and h.status is S.FINISHED_ABORTED
+
+
+def test_cancel_without_waiting_for_ui_callbacks(engine: nb.Engine) -> None:
+    h = engine.generate("Hi", long_params(), request_id="nowait")
+    wait_first_token(h)
+    assert h.cancel(wait=False) is None  # returns at once
+    final = h.result(timeout=60)
+    assert final.outputs[0].finish_reason == "abort" and h.status is S.FINISHED_ABORTED

@@ -131,3 +131,26 @@ def test_llm_generate_order_and_params_list(tiny_model: Path, capsys: pytest.Cap
                           use_tqdm=False)
         assert [len(o.outputs) for o in n3] == [3, 3, 3]
         assert llm.engine.num_unfinished_requests() == 0
+
+
+SCRIPT = """
+import sys
+import nbengine as nb
+engine = nb.Engine(sys.argv[1], num_kv_blocks=64)
+h = engine.generate("Once", nb.SamplingParams(max_tokens=100000, ignore_eos=True))
+r = engine.generate("Once", nb.SamplingParams(max_tokens=3, ignore_eos=True)).result()
+print("tokens", len(r.outputs[0].token_ids), flush=True)
+# exits with a live request and without shutdown(): the atexit hook must stop the engine
+"""
+
+
+def test_plain_script_exits_without_shutdown(tiny_model: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tiny_model)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens 3" in proc.stdout
