@@ -1,0 +1,203 @@
+"""Life inside a real Jupyter kernel (jupyter_client + ipykernel, the venv's python).
+
+- Re-executing the cell that creates an Engine: the old engine, no longer referenced,
+  is freed and its threads stop; while something (a handle) still references it,
+  it keeps working.
+- Process memory returns after shutdown.
+- A kernel interrupt during sync iteration of a handle ends the request as
+  FINISHED_ABORTED with the core's confirmation; the next cell can reuse the id.
+- An engine left running when the kernel shuts down exits cleanly (no kill, no hang).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.manager import KernelManager
+
+from .conftest import ENGINE_KW
+
+pytestmark = pytest.mark.slow
+CELL_TIMEOUT = 120.0
+
+
+class Kernel:
+    """A started kernel and a client; ``run`` executes one cell and returns its output."""
+
+    def __init__(self) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        self.km.shutdown_wait_time = 60.0  # a clean exit is never cut short by a kill
+        self.km.start_kernel(env=_kernel_env())
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def run(self, code: str, timeout: float = CELL_TIMEOUT, allow_error: bool = False) -> str:
+        out: list[str] = []
+        errors: list[str] = []
+
+        def hook(msg: dict[str, Any]) -> None:
+            kind = msg["msg_type"]
+            content = msg["content"]
+            if kind == "stream":
+                out.append(content["text"])
+            elif kind == "execute_result":
+                out.append(content["data"].get("text/plain", ""))
+            elif kind == "error":
+                errors.append(f"{content['ename']}: {content['evalue']}")
+
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+        if errors and not allow_error:
+            raise AssertionError(f"cell failed: {errors}\n{code}")
+        if allow_error:
+            return "".join(out) + "".join(f"\nERROR {e}" for e in errors)
+        assert reply["content"]["status"] == "ok"
+        return "".join(out)
+
+    def json(self, expr: str) -> Any:
+        return json.loads(self.run(f"import json as _j; print(_j.dumps({expr}))").strip())
+
+    def shutdown(self, timeout: float = 60.0) -> tuple[float, int | None]:
+        """Ask the kernel to exit; return (seconds it took, its exit code)."""
+        proc = self.km.provisioner.process  # type: ignore[union-attr]
+        self.kc.stop_channels()
+        t0 = time.monotonic()
+        self.km.shutdown_kernel(now=False)
+        code = proc.wait(timeout=timeout) if proc is not None else None
+        return time.monotonic() - t0, code
+
+
+def _kernel_env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+SETUP = """
+import gc, threading, os
+import psutil
+import nbengine as nb
+MODEL = {model!r}
+KW = {kw!r}
+def engine_threads():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("nbengine"))
+def rss_mb():
+    return psutil.Process(os.getpid()).memory_info().rss / 2**20
+def settle():
+    import time
+    for _ in range(100):
+        gc.collect()
+        if not any(t.name == "nbengine-reaper" for t in threading.enumerate()):
+            break
+        time.sleep(0.05)
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel(tiny_model: Path) -> Iterator[Kernel]:
+    k = Kernel()
+    try:
+        k.run(SETUP.format(model=str(tiny_model), kw=ENGINE_KW))
+        yield k
+    finally:
+        try:
+            k.shutdown()
+        except Exception:
+            k.km.shutdown_kernel(now=True)
+
+
+def test_reexecuting_the_engine_cell(kernel: Kernel) -> None:
+    cell = "engine = nb.Engine(MODEL, **KW)\n"
+    kernel.run(cell)
+    assert kernel.json("engine_threads()") == ["nbengine-core", "nbengine-loop"]
+    # A handle of the first engine keeps it alive and working across the re-execution.
+    kernel.run("h_old = engine.generate('Once upon', "
+               "nb.SamplingParams(max_tokens=100000, ignore_eos=True))")
+    kernel.run(cell)
+    assert kernel.json("len(engine_threads())") == 4  # both engines run
+    kernel.run("n0 = len(h_old.token_ids); import time; time.sleep(0.3)")
+    assert kernel.json("len(h_old.token_ids) > n0 and not h_old.done()")
+    assert kernel.json("engine.generate('Hi', nb.SamplingParams(max_tokens=3, ignore_eos=True))"
+                       ".result(60).outputs[0].finish_reason") == "length"
+    # Once nothing references the old engine, it is shut down and its threads end.
+    assert kernel.json("h_old.cancel(60).outputs[0].finish_reason") == "abort"
+    kernel.run("del h_old; settle()")
+    assert kernel.json("engine_threads()") == ["nbengine-core", "nbengine-loop"]
+    # Re-executing with no handle around frees the old engine at once.
+    kernel.run(cell)
+    kernel.run("settle()")
+    assert kernel.json("engine_threads()") == ["nbengine-core", "nbengine-loop"]
+    kernel.run("engine.shutdown(); settle()")
+    assert kernel.json("engine_threads()") == []
+
+
+def test_memory_returns_after_shutdown(kernel: Kernel) -> None:
+    # A KV cache big enough to see: 40000 blocks x 16 tokens x 2 layers x K,V x 16 floats.
+    kernel.run("settle(); before = rss_mb()")
+    kernel.run("big = nb.Engine(MODEL, num_kv_blocks=40000, block_size=16)\n"
+               "big.generate('Once upon', nb.SamplingParams(max_tokens=4)).result(60)\n"
+               "during = rss_mb()\n"
+               "big.shutdown(); del big; settle(); after = rss_mb()")
+    before, during, after = kernel.json("[before, during, after]")
+    assert during - before > 100, (before, during, after)  # the cache was really there
+    assert after - before < 40, f"RSS {before:.0f} -> {during:.0f} -> {after:.0f} MiB"
+    assert kernel.json("engine_threads()") == []
+
+
+def test_interrupt_during_sync_iteration_aborts_with_confirmation(kernel: Kernel) -> None:
+    kernel.run("eng = nb.Engine(MODEL, **KW)")
+    msg_id = kernel.kc.execute(
+        "h = eng.generate('Once upon', nb.SamplingParams(max_tokens=100000, ignore_eos=True),"
+        " request_id='intr')\n"
+        "for i, out in enumerate(h):\n"
+        "    if i == 2:\n"
+        "        print('streaming', flush=True)\n"
+    )
+    # Wait until the loop is really iterating, then interrupt the kernel (SIGINT).
+    deadline = time.monotonic() + CELL_TIMEOUT
+    seen = False
+    while not seen and time.monotonic() < deadline:
+        msg = kernel.kc.get_iopub_msg(timeout=CELL_TIMEOUT)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            seen = "streaming" in msg["content"]["text"]
+    assert seen
+    kernel.km.interrupt_kernel()
+    reply = kernel.kc.get_shell_msg(timeout=CELL_TIMEOUT)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kernel.kc.get_shell_msg(timeout=CELL_TIMEOUT)
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    # The next cell sees the confirmed abort ...
+    state = kernel.json("[h.status.name, h.done(), h.final_output.outputs[0].finish_reason,"
+                        " eng.num_unfinished_requests()]")
+    assert state == ["FINISHED_ABORTED", True, "abort", 0]
+    # ... and can reuse the id at once.
+    out = kernel.json("eng.generate('Again', nb.SamplingParams(max_tokens=3, ignore_eos=True),"
+                      " request_id='intr').result(60).outputs[0].finish_reason")
+    assert out == "length"
+    kernel.run("eng.shutdown(); settle()")
+    assert kernel.json("engine_threads()") == []
+
+
+def test_kernel_shutdown_with_a_running_engine_exits_cleanly(tiny_model: Path) -> None:
+    k = Kernel()
+    try:
+        k.run(SETUP.format(model=str(tiny_model), kw=ENGINE_KW))
+        k.run("engine = nb.Engine(MODEL, **KW)\n"
+              "hs = [engine.generate(f'req {i}', nb.SamplingParams(max_tokens=100000, "
+              "ignore_eos=True)) for i in range(3)]")
+        assert k.json("[h.status.name for h in hs if h.done()]") == []
+        took, code = k.shutdown()
+    except BaseException:
+        k.km.shutdown_kernel(now=True)
+        raise
+    assert code == 0, f"the kernel did not exit cleanly (exit code {code})"
+    assert took < 30, f"kernel shutdown took {took:.1f} s"
+    assert not k.km.is_alive()
