@@ -205,6 +205,8 @@ class Engine:
             send_abort=lambda keys: ref()._send_abort(keys),  # type: ignore[union-attr]
             on_event=lambda ev: ref()._on_event(ev),  # type: ignore[union-attr]
             on_step=lambda st: ref()._on_step(st),  # type: ignore[union-attr]
+            on_request=lambda *a: ref()._on_request(*a),  # type: ignore[union-attr]
+            on_tokens=lambda *a: ref()._on_tokens(*a),  # type: ignore[union-attr]
         )
 
         self._exit_stack = contextlib.ExitStack()
@@ -243,6 +245,16 @@ class Engine:
     def _on_step(self, stats: StepStats) -> None:
         """Called on the loop thread for every engine step."""
         self._steps.append(stats)
+
+    def _on_request(
+        self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
+    ) -> None:
+        """Called on the loop thread when an incarnation (each n>1 child) is registered."""
+
+    def _on_tokens(
+        self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None
+    ) -> None:
+        """Called on the loop thread when ``key`` has new tokens (cumulative count)."""
 
     # ------------------------------------------------------------ core thread
 

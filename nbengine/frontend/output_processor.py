@@ -108,11 +108,17 @@ class OutputProcessor:
         send_abort: Callable[[list[str]], None],
         on_event: Callable[[LifecycleEvent], None],
         on_step: Callable[[StepStats], None],
+        on_request: Callable[[str, str, int, float], None] | None = None,
+        on_tokens: Callable[[str, int, float, int | None], None] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._send_abort = send_abort
         self._on_event = on_event
         self._on_step = on_step
+        # Optional metrics hooks: on_request(key, request_id, num_prompt_tokens, arrival_time)
+        # and on_tokens(key, num_output_tokens, now, num_cached_tokens).
+        self._on_request = on_request
+        self._on_tokens = on_tokens
         self.requests: dict[str, LiveRequest] = {}
         self.keys: dict[str, ChildState] = {}
         self._parent_of: dict[str, LiveRequest] = {}
@@ -129,6 +135,12 @@ class OutputProcessor:
         for child in live.children:
             self.keys[child.key] = child
             self._parent_of[child.key] = live
+            if self._on_request is not None:
+                try:
+                    self._on_request(child.key, live.request_id, len(live.prompt_token_ids),
+                                     live.metrics.arrival_time)
+                except Exception:
+                    logger.exception("request hook failed")
             self._transition(live, child, RequestStatus.QUEUED)
 
     def num_unfinished(self) -> int:
@@ -300,6 +312,12 @@ class OutputProcessor:
             and not child.params.include_stop_str_in_output
         )
         stop = child.detok.update(ids, exclude_last_text=hide_last)
+        if self._on_tokens is not None:
+            try:
+                self._on_tokens(child.key, len(child.detok.token_ids), now,
+                                live.num_cached_tokens)
+            except Exception:
+                logger.exception("tokens hook failed")
         if stop is not None and not out.finished and not child.released:
             # Decided here: the core still runs it. RELEASING until it confirms.
             self._transition(live, child, RequestStatus.RELEASING)

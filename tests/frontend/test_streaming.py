@@ -179,3 +179,24 @@ def test_generate_from_many_threads(engine: nb.Engine) -> None:
         t.join(60)
     assert not errors
     assert len(results) == 30 and set(results.values()) == {3}
+
+
+def test_metrics_hooks_see_requests_tokens_events_and_steps(engine: nb.Engine) -> None:
+    seen: dict[str, list] = {"req": [], "tok": []}
+    engine._on_request = lambda *a: seen["req"].append(a)  # type: ignore[method-assign]
+    engine._on_tokens = lambda *a: seen["tok"].append(a)  # type: ignore[method-assign]
+    try:
+        steps_before = len(engine._steps)
+        h = engine.generate("Hi", nb.SamplingParams(n=2, max_tokens=3, ignore_eos=True),
+                            request_id="hooks")
+        h.result()
+    finally:
+        del engine._on_request, engine._on_tokens
+    keys = {a[0] for a in seen["req"]}
+    assert len(keys) == 2 and all(a[1] == "hooks" for a in seen["req"])
+    for key in keys:
+        counts = [a[1] for a in seen["tok"] if a[0] == key]
+        assert counts == sorted(counts) and counts[-1] == 3
+    assert len(engine._steps) > steps_before
+    ev = [e for e in engine._events if e.request_id == "hooks"]
+    assert {e.key for e in ev} == keys and all(e.step is None or e.step >= 0 for e in ev)
