@@ -26,6 +26,7 @@ from nbengine.core.scheduler_output import (
 )
 from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.tokenizer import Tokenizer
+from nbengine.ops.linear import pack_linears
 from nbengine.ops.attention import ChunkSpec, build_attention_metadata
 from nbengine.ops.sampling import Sampler, topk_logprobs
 from nbengine.outputs import PositionLogprobs
@@ -48,6 +49,10 @@ class ModelRunner:
         loaded: LoadedModel = load_model(config.model)
         self.loaded = loaded
         self.model = loaded.model
+        if self.model is not None and loaded.dtype == torch.bfloat16:
+            # Prepacked oneDNN weights: exact vs F.linear, 1.5-2x faster on CPU (ops/linear.py).
+            n_packed = pack_linears(self.model, config.scheduler.max_num_seqs)
+            logger.info("Packed %d bfloat16 linear layers for oneDNN.", n_packed)
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.block_size: int = config.cache.block_size

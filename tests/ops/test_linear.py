@@ -1,0 +1,46 @@
+"""Prepacked bfloat16 linear layers agree with F.linear (the reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nbengine.ops.linear import PackedLinear, pack_linears, packed_linear_supported
+
+needs_pack = pytest.mark.skipif(not packed_linear_supported(torch.bfloat16),
+                                reason="oneDNN bfloat16 prepacking unavailable on this CPU")
+
+
+@needs_pack
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_packed_matches_f_linear(bias: bool, rows: int) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(lin, batch_size_hint=8)
+    x = torch.randn(rows, 48).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = F.linear(x, lin.weight, lin.bias).float()
+        got = packed(x).float()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@needs_pack
+def test_pack_linears_replaces_only_bf16_linears() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(torch.bfloat16)
+    f32 = nn.Sequential(nn.Linear(16, 8))
+    x = torch.randn(2, 16).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = model(x).float()
+        assert pack_linears(model) == 2
+        after = model(x).float()
+        assert pack_linears(f32) == 0
+    assert isinstance(model[0], PackedLinear) and isinstance(f32[0], nn.Linear)
+    torch.testing.assert_close(after, before, rtol=1e-2, atol=1e-2)
+
+
+def test_float32_is_never_packed() -> None:
+    assert not packed_linear_supported(torch.float32)
