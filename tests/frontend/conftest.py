@@ -10,15 +10,7 @@ import pytest
 import nbengine as nb
 from nbengine.testing import make_tiny_model
 
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=8192,
-)
-ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+from fe_util import ENGINE_KW, TINY
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +33,3 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         eng: nb.Engine = request.getfixturevalue("engine")
         if eng.is_alive:
             assert eng.num_unfinished_requests() == 0
-
-
-def long_params(**kw: object) -> nb.SamplingParams:
-    """A request that runs until aborted."""
-    return nb.SamplingParams(max_tokens=100_000, ignore_eos=True, **kw)  # type: ignore[arg-type]

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import nbengine as nb
 from nbengine.model.tokenizer import Tokenizer
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+)
+ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
 
 
 def byte_token_ids(tok: Tokenizer, data: bytes) -> list[int]:
@@ -24,3 +35,8 @@ def byte_token_ids(tok: Tokenizer, data: bytes) -> list[int]:
     ids = [tok.backend.token_to_id(b2u[b]) for b in data]
     assert all(i is not None for i in ids)
     return ids
+
+
+def long_params(**kw: object) -> nb.SamplingParams:
+    """A request that runs until aborted."""
+    return nb.SamplingParams(max_tokens=100_000, ignore_eos=True, **kw)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import nbengine as nb
 from nbengine import RequestOutputKind as Kind
 from nbengine import RequestStatus as S
 
-from conftest import long_params
+from fe_util import long_params
 
 
 def first_output(h: nb.RequestHandle):

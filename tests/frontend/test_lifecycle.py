@@ -12,7 +12,7 @@ from nbengine import RequestOutputKind as Kind
 from nbengine.config import EngineConfig
 from nbengine.model.runner import ModelRunner
 
-from conftest import ENGINE_KW, long_params
+from fe_util import ENGINE_KW, long_params
 
 
 def engine_threads() -> set[str]:
