@@ -154,3 +154,23 @@ def test_plain_script_exits_without_shutdown(tiny_model: Path, tmp_path: Path) -
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "tokens 3" in proc.stdout
+
+
+def test_output_handler_failure_fails_requests_and_later_adds(tiny_model: Path) -> None:
+    with nb.Engine(str(tiny_model), **ENGINE_KW) as eng:
+        h = eng.generate("Once", long_params(output_kind=Kind.DELTA))
+        it = iter(h)
+        next(it)
+        real = eng._processor.process
+
+        def broken(batch):  # type: ignore[no-untyped-def]
+            raise RuntimeError("handler exploded")
+
+        eng._processor.process = broken  # type: ignore[method-assign]
+        with pytest.raises(nb.EngineDeadError, match="handler exploded"):
+            for _ in it:
+                pass
+        eng._processor.process = real  # type: ignore[method-assign]
+        with pytest.raises(nb.EngineDeadError, match="handler exploded"):
+            eng.generate("Once")
+        assert eng.num_unfinished_requests() == 0
