@@ -41,6 +41,13 @@ __all__ = ["ChildState", "LiveRequest", "OutputProcessor"]
 logger = logging.getLogger(__name__)
 
 _LIVE_CORE_STATUSES = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+_FINISHED_SEVERITY = (
+    RequestStatus.FINISHED_ERROR,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_IGNORED,
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH_CAPPED,
+)
 _STATUS_OF_REASON = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -182,6 +189,10 @@ class OutputProcessor:
             return statuses[0]
         live_ones = [s for s in statuses if not RequestStatus.is_finished(s)]
         if not live_ones:
+            # n > 1, all children done: the most severe outcome names the request.
+            for s in _FINISHED_SEVERITY:
+                if s in statuses:
+                    return s
             return statuses[0]
         for s in (RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.WAITING,
                   RequestStatus.QUEUED):
