@@ -22,7 +22,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nbengine.request import RequestStatus
@@ -324,17 +323,6 @@ class MetricsLog:
         """
         with self._lock:
             self._tokens_locked(key, num_output_tokens, now, num_cached_tokens)
-
-    def on_token_deltas(
-        self, deltas: Iterable[tuple[str, int, int | None]], now: float
-    ) -> None:
-        """``on_tokens`` for one core batch: ``(key, new tokens, num_cached_tokens)`` each,
-        counted on top of the tokens already recorded, under one lock acquisition."""
-        with self._lock:
-            for key, num_new, cached in deltas:
-                s = self._requests.get(key)
-                if s is not None:
-                    self._tokens_locked(key, s.timed_tokens + num_new, now, cached)
 
     def _tokens_locked(
         self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None

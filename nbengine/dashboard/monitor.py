@@ -1,8 +1,8 @@
 """``EngineMonitor``: the engine's metrics log and UI, fed by the engine's hooks.
 
-The engine owns one monitor and calls, on its loop thread:
-``on_event(ev)`` for every lifecycle transition, ``on_step(stats)`` for every step and
-``on_core_outputs(batch)`` for every core batch (token arrival times). Readers on any
+The engine owns one monitor and calls, on its loop thread: ``on_request`` when an
+incarnation is registered, ``on_event(ev)`` for every lifecycle transition,
+``on_tokens`` when a request has new tokens and ``on_step(stats)`` for every step. Readers on any
 thread use ``metrics`` (thread-safe), ``handle_widget()``, ``dashboard()`` and
 ``plot_timeline()``. Widget modules (ipywidgets, plotly) are imported only when a
 widget or figure is first asked for.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from nbengine.request import RequestStatus
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
-    from nbengine.core.messages import EngineCoreOutputs, StepStats
+    from nbengine.core.messages import StepStats
     from nbengine.dashboard.dashboard import Dashboard
     from nbengine.dashboard.handle_widget import HandleWidget
     from nbengine.dashboard.updater import UIUpdater
@@ -96,37 +95,33 @@ class EngineMonitor:
 
     # ------------------------------------------------------- hooks (loop thread)
 
+    def on_request(
+        self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
+    ) -> None:
+        """An incarnation (each n>1 child) was registered."""
+        self.metrics.on_request(key, request_id, num_prompt_tokens, arrival_time)
+
     def on_event(self, ev: LifecycleEvent) -> None:
-        if ev.from_status is None:  # QUEUED: the request was just registered
+        """A lifecycle transition."""
+        self.metrics.on_event(ev)
+        if ev.to_status is RequestStatus.RUNNING:
+            # The frontend stamps events when a batch reaches the loop; the request's own
+            # metrics hold the core's (earlier) schedule time.
             engine = self._engine_ref()
             live = None if engine is None else engine._processor.requests.get(ev.request_id)
-            if live is not None:
-                self.metrics.on_request(
-                    ev.key, ev.request_id, len(live.prompt_token_ids),
-                    live.metrics.arrival_time,
-                )
-        self.metrics.on_event(ev)
+            when = None if live is None else live.metrics.first_scheduled_time
+            if when is not None:
+                self.metrics.on_scheduled(ev.key, when)
 
     def on_step(self, stats: StepStats) -> None:
+        """An engine step."""
         self.metrics.on_step(stats)
 
-    def on_core_outputs(self, batch: EngineCoreOutputs) -> None:
-        """Schedule times, token arrival times and prefix-cache hits of one core batch.
-
-        Called before the frontend processes the batch, so its tokens are counted while
-        their requests are still live in the log.
-        """
-        now = time.monotonic()
-        for ev in batch.events:
-            if ev.status is RequestStatus.RUNNING:
-                self.metrics.on_scheduled(ev.request_id, ev.time)
-        deltas = [
-            (out.request_id, len(out.new_token_ids), out.num_cached_tokens)
-            for out in batch.outputs
-            if out.new_token_ids or out.num_cached_tokens
-        ]
-        if deltas:
-            self.metrics.on_token_deltas(deltas, now)
+    def on_tokens(
+        self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None
+    ) -> None:
+        """``key`` has ``num_output_tokens`` output tokens in all (cumulative), as of ``now``."""
+        self.metrics.on_tokens(key, num_output_tokens, now, num_cached_tokens)
 
     # -------------------------------------------------------------- aborts (any)
 

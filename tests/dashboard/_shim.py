@@ -16,7 +16,6 @@ def install() -> None:
     orig_init = Engine.__init__
     orig_on_event = Engine._on_event
     orig_on_step = Engine._on_step
-    orig_process = Engine._process_outputs
     orig_shutdown = Engine.shutdown
 
     def __init__(self: Engine, *a: Any, **k: Any) -> None:
@@ -31,9 +30,11 @@ def install() -> None:
         orig_on_step(self, st)
         self._monitor.on_step(st)
 
-    def _process_outputs(self: Engine, outputs: Any) -> None:
-        self._monitor.on_core_outputs(outputs)
-        orig_process(self, outputs)
+    def _on_request(self: Engine, *a: Any) -> None:
+        self._monitor.on_request(*a)
+
+    def _on_tokens(self: Engine, *a: Any) -> None:
+        self._monitor.on_tokens(*a)
 
     def shutdown(self: Engine, timeout: float = 10.0) -> None:
         orig_shutdown(self, timeout)
@@ -42,7 +43,8 @@ def install() -> None:
     Engine.__init__ = __init__  # type: ignore[method-assign]
     Engine._on_event = _on_event  # type: ignore[method-assign]
     Engine._on_step = _on_step  # type: ignore[method-assign]
-    Engine._process_outputs = _process_outputs  # type: ignore[method-assign]
+    Engine._on_request = _on_request  # type: ignore[method-assign]
+    Engine._on_tokens = _on_tokens  # type: ignore[method-assign]
     Engine.shutdown = shutdown  # type: ignore[method-assign]
     Engine.events = lambda self: self._monitor.metrics.events()  # type: ignore[attr-defined]
     Engine.request_stats = lambda self: self._monitor.metrics.request_stats()  # type: ignore
