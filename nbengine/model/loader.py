@@ -161,7 +161,7 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
                     "GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn "
                     "are not supported."
                 )
-            return _on_meta(lambda: GPT2LMHeadModel(gargs))
+            return _without_init(lambda: GPT2LMHeadModel(gargs))
         dargs = DecoderArgs.from_hf(cfg, arch, max_positions)
     except KeyError as exc:
         raise ModelLoadError(f"{path / 'config.json'} lacks the field {exc.args[0]!r}.") from exc
@@ -174,13 +174,30 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
         )
     if dargs.num_heads % dargs.num_kv_heads:
         raise ModelLoadError("num_attention_heads must be a multiple of num_key_value_heads.")
-    return _on_meta(lambda: LlamaForCausalLM(dargs))
+    return _without_init(lambda: LlamaForCausalLM(dargs))
 
 
-def _on_meta(factory: Any) -> nn.Module:
-    # Build without random initialisation; every parameter is then filled from the checkpoint.
-    with torch.device("meta"):
-        return factory()
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                   "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+
+
+def _without_init(factory: Any) -> nn.Module:
+    """Build a model on the CPU with uninitialised parameters.
+
+    Every parameter is filled from the checkpoint afterwards, so random initialisation
+    would be wasted work. (Building on the meta device instead routes the init calls
+    through torch's Python reference kernels, which import torch._dynamo: seconds per
+    process.)
+    """
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("cpu"):
+            return factory()
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -254,11 +271,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype)
     max_len = _max_model_len(cfg, arch, config.max_model_len)
     model = build_model(cfg, arch, max_len, path)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty replaces parameters one module at a time, untying them
+    model.tie_weights()
     model.to(dtype)
     load_weights(model, model.hf_weight_map(), path, dtype)
     if isinstance(model, LlamaForCausalLM):
+        # model.to(dtype) cast the rope tables too; they stay float32 for exactness.
         a = model.args
         rotary = RotaryEmbedding(a.head_dim, a.max_positions, a.rope_theta, a.rope_scaling)
         for nm in ("inv_freq", "cos", "sin"):

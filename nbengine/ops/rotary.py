@@ -84,9 +84,13 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        # The tables are always computed on the CPU: under a meta-device context (the
+        # loader builds models there) torch would route these ops through its Python
+        # reference kernels, which import torch._dynamo (seconds per process).
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+            t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+            freqs = torch.outer(t, inv_freq)
         # Tables hold the half-dimension; apply() duplicates through broadcasting.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos", freqs.cos(), persistent=False)
