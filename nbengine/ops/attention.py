@@ -9,9 +9,12 @@ A step's batch is flattened: the tokens of every scheduled chunk are concatenate
 Each chunk attends to its cached prefix ``[0, start_pos)`` plus, causally, to itself.
 The fast path first writes the new K/V into their slots, then
 
-- batches all single-token chunks (decodes) into one ``scaled_dot_product_attention``
-  call: K/V are gathered through the slot table into a padded ``[B, L_max]`` tensor
-  and a boolean length mask hides the padding;
+- batches the single-token chunks (decodes) into a few ``scaled_dot_product_attention``
+  calls: decodes are sorted by context length and split into groups of similar length
+  (``DecodeGroup``), so little padding is computed; for each group whole KV blocks are
+  gathered through the padded block tables into a ``[B, n_blocks * block_size]`` tensor
+  (one contiguous copy per block, not per slot) and a boolean length mask hides the
+  padding;
 - runs one SDPA call per multi-token chunk (prefill): ``is_causal`` on the fresh K/V
   when there is no cached prefix, else an explicit mask over gathered prefix + chunk.
 
@@ -51,20 +54,47 @@ class PrefillMeta:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended to in one SDPA call."""
+
+    rows: torch.Tensor  # [b] int64: the decodes' indices among the first num_decodes tokens
+    block_tables: torch.Tensor  # [b, n_blocks] int64 (padding -> block 0)
+    mask: torch.Tensor  # [b, 1, 1, n_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Step-wide attention inputs. Invariant: the first ``num_decodes`` tokens are the
     single-token chunks, one token each; the prefill chunks follow in order."""
 
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, L_max] int64 (padding -> slot 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, L_max] bool, True = attend
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillMeta] = field(default_factory=list)
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat cache slots of ``positions`` given a request's ``block_table`` (both int64)."""
     return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def _length_groups(n_blocks: Sequence[int], min_group: int = 8, ratio: float = 0.6
+                   ) -> list[list[int]]:
+    """Split decode indices, longest first, into groups of similar block counts.
+
+    A new group starts when a decode needs fewer than ``ratio`` times the blocks of its
+    group's longest member and the group already holds ``min_group`` decodes (few, large
+    SDPA calls; padding at most ~1/ratio of the computed keys).
+    """
+    order = sorted(range(len(n_blocks)), key=lambda i: -n_blocks[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) < min_group
+                       or n_blocks[i] >= ratio * n_blocks[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]  # one group == all decodes in batch order
 
 
 def build_attention_metadata(
@@ -84,23 +114,26 @@ def build_attention_metadata(
     for c in chunks:
         assert len(c.block_table) * block_size >= c.start_pos + c.num_tokens, "block table too short"
 
-    decode_slots = decode_mask = None
     slot_parts: list[torch.Tensor] = []
+    groups: list[DecodeGroup] = []
     if num_decodes:
         dec = chunks[:num_decodes]
-        lens = torch.tensor([c.start_pos + 1 for c in dec], dtype=torch.int64, device=device)
-        l_max = int(lens.max())
-        n_blk = (l_max + block_size - 1) // block_size
-        tables = torch.tensor(
-            [list(c.block_table[:n_blk]) + [0] * (n_blk - min(n_blk, len(c.block_table))) for c in dec],
-            dtype=torch.int64, device=device,
-        )
-        pos = torch.arange(l_max, dtype=torch.int64, device=device)
-        decode_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L_max]
-        valid = pos[None, :] < lens[:, None]
-        decode_slots = decode_slots.masked_fill(~valid, 0)
-        decode_mask = valid[:, None, None, :]
-        slot_parts.append(decode_slots.gather(1, (lens - 1)[:, None]).squeeze(1))
+        lens_l = [c.start_pos + 1 for c in dec]
+        n_blks = [(n + block_size - 1) // block_size for n in lens_l]
+        tables = [list(c.block_table[:nb]) for c, nb in zip(dec, n_blks)]
+        last = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+                for t, n in zip(tables, lens_l)]
+        slot_parts.append(torch.tensor(last, dtype=torch.int64, device=device))
+        for rows in _length_groups(n_blks):
+            nb = max(n_blks[i] for i in rows)
+            padded = [tables[i] + [0] * (nb - len(tables[i])) for i in rows]
+            lens = torch.tensor([lens_l[i] for i in rows], dtype=torch.int64, device=device)
+            pos = torch.arange(nb * block_size, dtype=torch.int64, device=device)
+            groups.append(DecodeGroup(
+                rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+                mask=(pos[None, :] < lens[:, None])[:, None, None, :],
+            ))
 
     prefills: list[PrefillMeta] = []
     q_start = num_decodes
@@ -121,8 +154,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         num_decodes=num_decodes,
-        decode_slots=decode_slots,
-        decode_mask=decode_mask,
+        decode_groups=groups,
         prefills=prefills,
     )
 
@@ -157,14 +189,21 @@ def paged_attention(
 
     nd = meta.num_decodes
     if nd:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        b, l_max = meta.decode_slots.shape
-        idx = meta.decode_slots.view(-1)  # index_select is several times faster than x[idx2d]
-        kd = flat_k.index_select(0, idx).view(b, l_max, n_kv, hd).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = flat_v.index_select(0, idx).view(b, l_max, n_kv, hd).transpose(1, 2)
-        qd = q[:nd].reshape(nd, n_kv, group, hd)  # the G heads of a KV head act as G queries
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, n_heads, hd)
+        block_size = k_cache.shape[1]
+        qd_all = q[:nd].reshape(nd, n_kv, group, hd)  # the G heads of a KV head act as G queries
+        od_all = out[:nd].view(nd, n_kv, group, hd)
+        single = len(meta.decode_groups) == 1
+        for g in meta.decode_groups:
+            b, nb = g.block_tables.shape
+            idx = g.block_tables.view(-1)  # whole blocks: one contiguous copy per block
+            kd = k_cache.index_select(0, idx).view(b, nb * block_size, n_kv, hd).transpose(1, 2)
+            vd = v_cache.index_select(0, idx).view(b, nb * block_size, n_kv, hd).transpose(1, 2)
+            qd = qd_all if single else qd_all.index_select(0, g.rows)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+            if single:
+                od_all.copy_(od)
+            else:
+                od_all.index_copy_(0, g.rows, od)
 
     for pf in meta.prefills:
         s, n = pf.q_start, pf.num_tokens
