@@ -40,6 +40,7 @@ from nbengine.bench_engines import (
 )
 from nbengine.bench_machine import (
     ModelShape,
+    physical_cores,
     cpu_flags,
     load_average,
     measure_bandwidth,
@@ -184,14 +185,39 @@ def run_bench(
     static_batch_size: int = 16,
     engine_kwargs: dict[str, Any] | None = None,
     cache_dir: str | Path | None = None,
+    threads: int | None = None,
     log: Any = None,
 ) -> dict[str, Any]:
     """Run the benchmark and return the report (see the module docstring).
 
     ``model_dir`` None builds the SmolLM2-135M-shaped random model into ``cache_dir``.
-    ``engine_kwargs`` are extra ``nb.Engine`` arguments. ``log`` (a callable taking a
-    str) receives progress lines.
+    ``engine_kwargs`` are extra ``nb.Engine`` arguments. ``threads`` sets
+    ``torch.set_num_threads`` for the run (every engine alike; None: the physical cores),
+    restored afterwards. ``log`` (a callable taking a str) receives progress lines.
     """
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or physical_cores())
+    try:
+        return _run_bench(model_dir, workloads, engines, dtype, scale, repeats, seed,
+                          abort_latency, static_batch_size, engine_kwargs, cache_dir, log)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _run_bench(
+    model_dir: str | Path | None,
+    workloads: Sequence[str],
+    engines: Sequence[str],
+    dtype: str,
+    scale: float,
+    repeats: int,
+    seed: int,
+    abort_latency: bool,
+    static_batch_size: int,
+    engine_kwargs: dict[str, Any] | None,
+    cache_dir: str | Path | None,
+    log: Any,
+) -> dict[str, Any]:
     say = log or (lambda _msg: None)
     for w in workloads:
         if w not in ALL_WORKLOADS:
@@ -222,6 +248,7 @@ def run_bench(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "bandwidth_gb_s": bw / 1e9,
         "matmul_gflop_s": flops / 1e9,
         "matmul_gflop_s_float32": flops_f32 / 1e9,

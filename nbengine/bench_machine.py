@@ -59,6 +59,23 @@ def load_average() -> tuple[float, float, float] | None:
         return None
 
 
+def physical_cores() -> int:
+    """Physical CPU cores (distinct core ids in /proc/cpuinfo), else ``os.cpu_count()``."""
+    cores: set[tuple[str, str]] = set()
+    phys = core = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":", 1)[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":", 1)[1].strip()
+                    cores.add((phys, core))
+    except OSError:
+        pass
+    return len(cores) or os.cpu_count() or 1
+
+
 def cpu_flags() -> list[str]:
     """The matmul-relevant CPU flags of this machine (from /proc/cpuinfo)."""
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "fma")

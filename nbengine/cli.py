@@ -174,6 +174,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         scale=0.1 if args.quick else args.scale,
         repeats=args.repeats,
         abort_latency=not args.no_abort,
+        threads=args.threads,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(format_report(report))
@@ -208,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--scale", type=float, default=1.0, help="shrink workloads (e.g. 0.1)")
     bench.add_argument("--quick", action="store_true", help="same as --scale 0.1")
     bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--threads", type=int, default=None,
+                       help="torch threads for every engine (default: physical cores)")
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
 
