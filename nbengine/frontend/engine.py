@@ -509,6 +509,8 @@ class Engine:
         """
         if self._dead is not None or self._closed:
             raise EngineDeadError(self._dead or "The engine has been shut down.")
+        if not self._core_thread.is_alive():  # died without its failure reaching the loop
+            raise EngineDeadError("The engine core thread is gone.")
         prep = self._prepare(prompt, sampling_params, request_id, priority)
         return self._call_on_loop(self._register, prep)
 
