@@ -40,6 +40,7 @@ from nbengine.core.messages import (
     MessageType,
     StepStats,
 )
+from nbengine.frontend.core_client import CoreClient, fail_keys, make_core_client
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
 from nbengine.frontend.events import LifecycleEvent
 from nbengine.frontend.handles import RequestHandle, _make_async_waiter
@@ -76,16 +77,15 @@ def _shutdown_all_engines() -> None:
 atexit.register(_shutdown_all_engines)
 
 
-def _core_thread_main(
+def _client_callbacks(
     engine_ref: weakref.ref[Engine],
-    core: EngineCore,
-    input_queue: queue.Queue[EngineCoreMessage],
-) -> None:
-    """Body of the ``nbengine-core`` thread.
+) -> tuple[Callable[[EngineCoreOutputs], None], Callable[[str | None], None],
+           Callable[[set[str], str], None]]:
+    """``emit``, ``on_exit`` and ``fail_keys`` for the core client.
 
-    It holds its Engine only weakly: an engine that nobody references any more (its
+    They hold the Engine only weakly: an engine that nobody references any more (its
     notebook cell was re-executed) can be garbage-collected, and its finalizer
-    (``_reap_engine``) then stops both threads and frees the model.
+    (``_reap_engine``) then stops the client's threads and frees the model.
     """
 
     def emit(outputs: EngineCoreOutputs) -> None:
@@ -93,36 +93,29 @@ def _core_thread_main(
         if engine is not None:
             engine._emit(outputs)
 
-    error: str | None = None
-    try:
-        core.run_busy_loop(input_queue, emit)
-    except BaseException as exc:  # run_busy_loop reports step failures itself
-        logger.exception("engine core loop crashed")
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
+    def on_exit(error: str | None) -> None:
         engine = engine_ref()
         if engine is not None:
             engine._call_soon(engine._on_core_exit, error)
 
+    def fail(keys: set[str], message: str) -> None:
+        engine = engine_ref()
+        if engine is not None:
+            engine._call_soon(engine._fail_keys, keys, message)
 
-def _reap_engine(
-    core_queue: queue.Queue[EngineCoreMessage],
-    core_thread: threading.Thread,
-    core: EngineCore,
-    exit_stack: contextlib.ExitStack,
-) -> None:
+    return emit, on_exit, fail
+
+
+def _reap_engine(client: CoreClient, exit_stack: contextlib.ExitStack) -> None:
     """Finalizer of an Engine garbage-collected without ``shutdown()``.
 
     The GC may run it on any thread, the engine's own included, so the blocking part
-    (join the core thread, free the model, stop the loop) runs on a short-lived thread.
+    (stop the core client, free the model, stop the loop) runs on a short-lived thread.
     """
 
     def reap() -> None:
-        core_queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
-        core_thread.join(10.0)
         try:
-            if not core_thread.is_alive():
-                core.shutdown()
+            client.shutdown(10.0)
             exit_stack.close()
         except Exception:
             logger.exception("reaping an unreferenced engine failed")
@@ -166,13 +159,23 @@ class Engine:
     ``stream_interval``). ``generate()`` returns a ``RequestHandle`` at once and is safe
     to call from any thread or event loop. Use ``with Engine(...) as engine:`` or call
     ``shutdown()``.
+
+    ``backend="inproc"`` (default) runs the core on a thread of this process;
+    ``backend="ray"`` runs ``data_parallel_size`` cores as Ray actors (keywords
+    ``data_parallel_size``, ``ray_address``, ``resources_per_replica``, ``routing``;
+    see docs/scale-out.md) while the frontend stays here.
     """
 
     def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
         runner: RunnerLike | None = kwargs.pop("_runner", None)  # test hook
         tokenizer = kwargs.pop("_tokenizer", None)  # test hook
+        backend = kwargs.pop("backend", "inproc")
+        backend_options = {
+            k: kwargs.pop(k)
+            for k in ("data_parallel_size", "ray_address", "resources_per_replica", "routing")
+            if k in kwargs
+        }
         self.config = EngineConfig.from_kwargs(model, **kwargs)
-        from nbengine.core.engine_core import EngineCore
 
         if tokenizer is None:
             from nbengine.model.loader import resolve_model_dir
@@ -180,11 +183,14 @@ class Engine:
 
             tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
         self.tokenizer = tokenizer
-        self._core: EngineCore = EngineCore(self.config, runner)
-        runner_ = self._core.runner
-        self._vocab_size = int(runner_.vocab_size)
-        self._max_model_len = int(getattr(self._core, "max_model_len", runner_.max_model_len))
-        self._eos_token_ids = frozenset(runner_.eos_token_ids) | frozenset(
+        self.backend = backend
+        self._client: CoreClient = make_core_client(backend, self.config, runner, backend_options)
+        if backend == "inproc":  # in-process internals that tests reach into
+            self._core: EngineCore = self._client.core  # type: ignore[attr-defined]
+            self._core_queue: queue.Queue[EngineCoreMessage] = self._client.queue  # type: ignore[attr-defined]
+        self._vocab_size = int(self._client.vocab_size)
+        self._max_model_len = int(self._client.max_model_len)
+        self._eos_token_ids = frozenset(self._client.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ())
         )
         self._stream_interval = self.config.scheduler.stream_interval
@@ -196,7 +202,6 @@ class Engine:
         self._shutdown_lock = threading.Lock()
         self._incarnations = itertools.count(1)
         self._auto_ids = itertools.count()
-        self._core_queue: queue.Queue[EngineCoreMessage] = queue.Queue()
         # The processor reaches the engine through a weak reference, so that dropping
         # the last user reference frees the engine at once (no reference cycle).
         ref = weakref.ref(self)
@@ -218,22 +223,15 @@ class Engine:
             self._loop_thread: threading.Thread = self._portal.call(threading.current_thread)
         except BaseException:
             self._exit_stack.close()
-            self._core.shutdown()
+            self._client.shutdown(10.0)
             raise
-        self._core_thread = threading.Thread(
-            target=_core_thread_main,
-            args=(weakref.ref(self), self._core, self._core_queue),
-            name="nbengine-core",
-            daemon=True,
-        )
         self._core_dead_since: float | None = None
-        self._core_thread.start()
+        self._client.start(*_client_callbacks(weakref.ref(self)))
+        if backend == "inproc":
+            self._core_thread: threading.Thread = self._client.thread  # type: ignore[attr-defined]
         _live_engines.add(self)
         # Unreferenced without shutdown() (a re-executed cell): stop the threads anyway.
-        self._finalizer = weakref.finalize(
-            self, _reap_engine, self._core_queue, self._core_thread, self._core,
-            self._exit_stack,
-        )
+        self._finalizer = weakref.finalize(self, _reap_engine, self._client, self._exit_stack)
         self._finalizer.atexit = False  # at exit, _shutdown_all_engines does it
 
     # ------------------------------------------------------------- event hooks
@@ -290,10 +288,18 @@ class Engine:
         try:
             self._processor.fail_all(self._dead)
         finally:  # the core must stop even if failing the requests went wrong
-            self._core_queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
+            self._client.send(EngineCoreMessage(MessageType.SHUTDOWN))
+
+    def _fail_keys(self, keys: set[str], message: str) -> None:
+        """Loop thread: one replica is lost; fail only the requests it held."""
+        try:
+            fail_keys(self._processor, keys, message)
+        except Exception as exc:
+            logger.exception("failing the requests of a lost replica failed")
+            self._die(f"Output processing failed: {type(exc).__name__}: {exc}")
 
     def _send_abort(self, keys: list[str]) -> None:
-        self._core_queue.put(EngineCoreMessage(MessageType.ABORT, list(keys)))
+        self._client.send(EngineCoreMessage(MessageType.ABORT, list(keys)))
 
     def _register(self, prep: _Prepared) -> RequestHandle:
         if self._dead is not None:
@@ -342,7 +348,7 @@ class Engine:
         )
         self._processor.add(live)
         for child, cp in zip(children, child_params):
-            self._core_queue.put(
+            self._client.send(
                 EngineCoreMessage(
                     MessageType.ADD,
                     EngineCoreRequest(
@@ -358,10 +364,11 @@ class Engine:
         return handle
 
     def _run_on_core(self, fn: Callable[[EngineCore], T]) -> Future[T]:
-        """Run ``fn(core)`` on the core thread between steps (a UTILITY message)."""
-        fut: Future[T] = Future()
-        self._core_queue.put(EngineCoreMessage(MessageType.UTILITY, fn, fut))
-        return fut
+        """Run ``fn(core)`` on the core thread between steps (a UTILITY message).
+
+        With ``backend="ray"`` it runs in replica 0's actor (``fn`` must pickle).
+        """
+        return self._client.run_utility(fn)
 
     def _start_aborts(self, request_ids: list[str]) -> list[Future[RequestOutput] | None]:
         futures: list[Future[RequestOutput] | None] = []
@@ -380,7 +387,7 @@ class Engine:
 
     def _on_engine_thread(self) -> bool:
         t = threading.current_thread()
-        return t is self._loop_thread or t is self._core_thread
+        return t is self._loop_thread or self._client.owns_thread(t)
 
     def _call_on_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a short sync function on the loop thread and return its result."""
@@ -400,7 +407,7 @@ class Engine:
         """Raise EngineDeadError if nothing will ever wake a waiter (threads gone)."""
         if not self._loop_thread.is_alive():
             raise EngineDeadError(self._dead or "The engine loop thread is gone.")
-        if self._core_thread.is_alive():
+        if self._client.is_alive():
             self._core_dead_since = None
             return
         now = time.monotonic()
@@ -509,7 +516,7 @@ class Engine:
         """
         if self._dead is not None or self._closed:
             raise EngineDeadError(self._dead or "The engine has been shut down.")
-        if not self._core_thread.is_alive():  # died without its failure reaching the loop
+        if not self._client.is_alive():  # died without its failure reaching the loop
             raise EngineDeadError("The engine core thread is gone.")
         prep = self._prepare(prompt, sampling_params, request_id, priority)
         return self._call_on_loop(self._register, prep)
@@ -622,19 +629,27 @@ class Engine:
                 self._portal.call(self._shutdown_on_loop, reason)
             except Exception:
                 logger.exception("failing live requests at shutdown failed")
-        self._core_queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
-        self._core_thread.join(timeout)
-        if self._core_thread.is_alive():
-            logger.warning("engine core thread did not stop within %.1f s", timeout)
-        else:
-            try:
-                self._core.shutdown()
-            except Exception:
-                logger.exception("engine core shutdown failed")
+        try:
+            self._client.shutdown(timeout)
+        except Exception:
+            logger.exception("engine core shutdown failed")
         try:
             self._exit_stack.close()
         except Exception:
             logger.exception("closing the engine loop failed")
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Health of each engine core: one dict per replica (``alive``, ``unfinished``, ...)."""
+        return self._client.describe()
+
+    def restart_replica(self, index: int) -> None:
+        """Replace replica ``index`` (dead or alive) by a fresh one; ``backend="ray"`` only.
+
+        A live replica's requests fail first (EngineDeadError naming the replica).
+        """
+        if self._closed:
+            raise EngineDeadError(self._dead or "The engine has been shut down.")
+        self._client.restart_replica(index)
 
     def _shutdown_on_loop(self, reason: str) -> None:
         if self._dead is None:

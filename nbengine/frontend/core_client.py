@@ -1,0 +1,224 @@
+"""``CoreClient``: how the frontend talks to its engine core(s).
+
+The ``Engine`` (frontend) owns the request registry and sends ADD / ABORT / UTILITY
+messages, keyed by internal request key, through ``send``; the client delivers every
+``EngineCoreOutputs`` batch back through the ``emit`` callback given to ``start``.
+
+Contract every client keeps (DESIGN.md section 3, across any process boundary):
+
+- ``send`` is called on the engine's loop thread only, never blocks on the model, and
+  messages for one core are applied by that core in the order they were sent;
+- every key a core removes is reported in exactly one emitted batch's ``finished``
+  set, and no output for that key follows;
+- ``on_exit(error)`` is called once when the client can no longer serve at all (for
+  the in-process client: the core thread ended); ``fail_keys(keys, message)`` fails
+  just those keys' requests while the engine lives on (a lost replica).
+
+Two implementations: ``InprocCoreClient`` here (one ``nbengine-core`` thread and its
+FIFO queue, the default), and ``nbengine.distributed.RayCoreClient`` (engine cores as
+Ray actors), which is imported only when ``backend="ray"`` is asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from nbengine.core.messages import EngineCoreMessage, EngineCoreOutputs, MessageType
+from nbengine.request import EngineDeadError, FinishReason, RequestStatus
+
+if TYPE_CHECKING:
+    from nbengine.config import EngineConfig
+    from nbengine.core.engine_core import EngineCore, RunnerLike
+    from nbengine.frontend.output_processor import OutputProcessor
+
+__all__ = ["BACKENDS", "CoreClient", "InprocCoreClient", "fail_keys", "make_core_client"]
+
+logger = logging.getLogger(__name__)
+
+EmitFn = Callable[[EngineCoreOutputs], None]
+ExitFn = Callable[[str | None], None]
+FailKeysFn = Callable[[set[str], str], None]
+
+BACKENDS = ("inproc", "ray")
+
+
+class CoreClient(ABC):
+    """The frontend's view of its engine core(s). See the module docstring."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    @abstractmethod
+    def start(self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn) -> None:
+        """Start serving; batches go to ``emit`` (called from client threads)."""
+
+    @abstractmethod
+    def send(self, msg: EngineCoreMessage) -> None:
+        """Queue ADD / ABORT / UTILITY (or SHUTDOWN: stop serving) without blocking."""
+
+    @abstractmethod
+    def is_alive(self) -> bool:
+        """True while at least one core can serve requests."""
+
+    @abstractmethod
+    def owns_thread(self, thread: threading.Thread) -> bool:
+        """True for the client's own threads (they must never block on the engine)."""
+
+    @abstractmethod
+    def shutdown(self, timeout: float) -> None:
+        """Stop every core and free its model. Idempotent."""
+
+    @abstractmethod
+    def describe(self) -> list[dict[str, Any]]:
+        """Health of each core (replica): one dict per replica."""
+
+    def run_utility(self, fn: Callable[[EngineCore], Any], replica: int | None = None) -> Future[Any]:
+        """Run ``fn(core)`` on a core between steps; its result on the returned future."""
+        fut: Future[Any] = Future()
+        self.send(EngineCoreMessage(MessageType.UTILITY, fn, fut))
+        return fut
+
+    def restart_replica(self, index: int) -> None:
+        """Replace replica ``index`` by a fresh one (multi-replica backends only)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has a single in-process core; restart_replica needs "
+            "backend='ray'."
+        )
+
+
+class InprocCoreClient(CoreClient):
+    """One ``EngineCore`` on the ``nbengine-core`` thread of this process, fed by a FIFO queue."""
+
+    def __init__(self, config: EngineConfig, runner: RunnerLike | None = None) -> None:
+        from nbengine.core.engine_core import EngineCore
+
+        self.core: EngineCore = EngineCore(config, runner)
+        r = self.core.runner
+        self.vocab_size = int(r.vocab_size)
+        self.max_model_len = int(getattr(self.core, "max_model_len", r.max_model_len))
+        self.eos_token_ids = frozenset(r.eos_token_ids)
+        self.queue: queue.Queue[EngineCoreMessage] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self._started_at = time.monotonic()
+
+    def start(self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn) -> None:
+        self.thread = threading.Thread(
+            target=_core_thread_main,
+            args=(self.core, self.queue, emit, on_exit),
+            name="nbengine-core",
+            daemon=True,
+        )
+        self.thread.start()
+
+    def send(self, msg: EngineCoreMessage) -> None:
+        self.queue.put(msg)
+
+    def is_alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def owns_thread(self, thread: threading.Thread) -> bool:
+        return thread is self.thread
+
+    def shutdown(self, timeout: float) -> None:
+        self.queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                logger.warning("engine core thread did not stop within %.1f s", timeout)
+                return
+        try:
+            self.core.shutdown()
+        except Exception:
+            logger.exception("engine core shutdown failed")
+
+    def describe(self) -> list[dict[str, Any]]:
+        core = self.core
+        return [{
+            "replica": 0,
+            "backend": "inproc",
+            "alive": self.is_alive(),
+            "unfinished": core.num_unfinished_requests() if self.is_alive() else 0,
+            "steps": core.step_count,
+            "error": None,
+        }]
+
+
+def _core_thread_main(
+    core: EngineCore,
+    input_queue: queue.Queue[EngineCoreMessage],
+    emit: EmitFn,
+    on_exit: ExitFn,
+) -> None:
+    """Body of the ``nbengine-core`` thread (``emit``/``on_exit`` hold the engine weakly)."""
+    error: str | None = None
+    try:
+        core.run_busy_loop(input_queue, emit)
+    except BaseException as exc:  # run_busy_loop reports step failures itself
+        logger.exception("engine core loop crashed")
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        on_exit(error)
+
+
+def make_core_client(
+    backend: str,
+    config: EngineConfig,
+    runner: RunnerLike | None,
+    options: dict[str, Any],
+) -> CoreClient:
+    """The client for ``backend`` ("inproc" or "ray"); ``options`` are backend arguments."""
+    if backend == "inproc":
+        if options:
+            raise TypeError(
+                f"{', '.join(sorted(options))} only apply to backend='ray' (got backend='inproc')."
+            )
+        return InprocCoreClient(config, runner)
+    if backend == "ray":
+        if runner is not None:
+            raise ValueError("backend='ray' builds its runners in the replicas; _runner is inproc only.")
+        from nbengine.distributed.ray_client import RayCoreClient
+
+        return RayCoreClient(config, **options)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+
+
+def fail_keys(processor: OutputProcessor, keys: Iterable[str], message: str) -> int:
+    """Loop thread: fail the live requests owning ``keys`` with ``EngineDeadError(message)``.
+
+    Used when one replica is lost: its requests end with finish_reason "error" and
+    their iterators raise; every other request is untouched. A request is failed as a
+    whole (all ``n`` children live on one replica). Returns how many requests failed.
+    """
+    now = time.monotonic()
+    lives = []
+    for key in keys:
+        live = processor._parent_of.get(key)
+        if live is not None and live not in lives:
+            lives.append(live)
+    for live in lives:
+        if live.finalized:
+            continue
+        for child in live.children:
+            if child.released:
+                continue
+            child.released = True
+            child.finish_reason = FinishReason.ERROR
+            child.stop_reason = None
+            child.error = message
+            try:
+                child.detok.finish()
+            except Exception:
+                logger.exception("flushing the text of %s failed", child.key)
+            processor.keys.pop(child.key, None)
+            processor._parent_of.pop(child.key, None)
+            processor._transition(live, child, RequestStatus.FINISHED_ERROR)
+        processor._finalize(live, None, now, error=EngineDeadError(message))
+    return len(lives)
