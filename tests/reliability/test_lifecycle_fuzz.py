@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -347,7 +348,20 @@ class EngineLifecycle(RuleBasedStateMachine):
 
             return asyncio.run(main())
 
+        canceller = None
+        if rec.long and rec.params.output_kind is nb.RequestOutputKind.FINAL_ONLY:
+            # Its only output comes at the end: cancel it from another thread while the
+            # consumer is blocked (the stream then ends normally with "abort").
+            def cancel_soon() -> None:
+                time.sleep(0.3)
+                h.cancel(timeout=WAIT_S)
+
+            canceller = threading.Thread(target=cancel_soon, name="rel-canceller")
+            canceller.start()
         outs, ended = call_with_timeout(async_part if use_async else sync_part)
+        if canceller is not None:
+            canceller.join(WAIT_S)
+            assert not canceller.is_alive()
         self._check_stream(rec, outs, complete=ended)
         if not use_async:
             assert h.done(), "closing a sync iterator early did not finish the request"
