@@ -98,13 +98,21 @@ class DecoderAttention(nn.Module):
         k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None:
+            # q and k sit side by side in qkv: rotate them in one pass (same elementwise ops).
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                n, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = self.rotary.rotate(positions, qk).split(
+                [self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            v = v.view(n, self.num_kv_heads, self.head_dim)
+            assert self.k_norm is not None
+            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 

@@ -95,14 +95,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of one forward pass gets the same ``positions`` tensor: gather the
+        # rows once and reuse them (the cache holds only the latest tensor).
+        cached = self._cached
+        if cached is not None and cached[0] is positions:
+            return cached[1], cached[2]
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        self._cached = (positions, cos, sin)
+        return cos, sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]``; computed in float32, cast back."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+        cos, sin = self._tables(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, H, D]`` (e.g. q and k side by side): one pass instead of two."""
+        cos, sin = self._tables(positions)
+        return _rotate(x, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
