@@ -1,0 +1,59 @@
+"""A two-node local Ray cluster (one per test module that asks for it) and a tiny model.
+
+The cluster is kept light for a 2-core machine: one CPU per node, a 100 MB object
+store, no dashboard, worker logs not forwarded to the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nbengine.testing import make_tiny_model
+
+for _k, _v in {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_RECORD_ACTOR_TASK_LOGGING": "0",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+)
+ENGINE_KW = dict(num_kv_blocks=512, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
+_STORE = 100 * 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", **TINY)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """Two Ray nodes on this machine (1 CPU each), the driver connected to them."""
+    ray = pytest.importorskip("ray", reason="backend='ray' tests need Ray (pip install 'nbengine[ray]')")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": _STORE, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=1, object_store_memory=_STORE)
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
