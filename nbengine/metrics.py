@@ -68,6 +68,7 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "num_cached_tokens",
     "arrival_time",
     "finished_time",
+    "replica",
 )
 STEP_COLUMNS: tuple[str, ...] = (
     "step",
@@ -138,6 +139,7 @@ class RequestSummary:
     itl_count: int = 0
     itl_sum: float = 0.0
     itl_recent: deque[float] = field(default_factory=deque)
+    replica: int | None = None  # the engine core that served it (backend="ray"); None in-process
 
     @property
     def finished(self) -> bool:
@@ -199,6 +201,7 @@ class RequestRow:
     num_cached_tokens: int | None
     arrival_time: float
     finished_time: float | None
+    replica: int | None = None
 
 
 def _row(s: RequestSummary) -> RequestRow:
@@ -218,6 +221,7 @@ def _row(s: RequestSummary) -> RequestRow:
         num_cached_tokens=s.num_cached_tokens,
         arrival_time=s.arrival_time,
         finished_time=s.finished_time,
+        replica=s.replica,
     )
 
 
@@ -354,6 +358,14 @@ class MetricsLog:
                 s.output_tokens = num_output_tokens
         self._version += 1
 
+    def on_replica(self, key: str, replica: int) -> None:
+        """``key`` was placed on engine core ``replica`` (multi-replica backends)."""
+        with self._lock:
+            s = self._requests.get(key)
+            if s is not None:
+                s.replica = replica
+                self._version += 1
+
     def on_scheduled(self, key: str, when: float) -> None:
         """The core scheduled ``key`` at ``when`` (its own clock reading, before the forward).
 
@@ -482,7 +494,7 @@ class MetricsLog:
         for c in ("queue_time", "ttft", "itl_mean", "itl_p99", "e2e_time", "arrival_time",
                   "finished_time"):
             df[c] = df[c].astype("float64")
-        for c in ("prompt_tokens", "num_cached_tokens"):
+        for c in ("prompt_tokens", "num_cached_tokens", "replica"):
             df[c] = df[c].astype("Int64")
         for c in ("output_tokens", "preemptions"):
             df[c] = df[c].astype("int64")

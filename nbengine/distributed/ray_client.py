@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from nbengine.core.messages import EngineCoreMessage, EngineCoreRequest, MessageType
 from nbengine.distributed.ray_actor import ReplicaWorker, WireMessage
 from nbengine.distributed.router import Router
-from nbengine.frontend.core_client import CoreClient, EmitFn, ExitFn, FailKeysFn
+from nbengine.frontend.core_client import CoreClient, EmitFn, ExitFn, FailKeysFn, RoutedFn
 from nbengine.request import EngineDeadError
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ class RayCoreClient(CoreClient):
         self._emit: EmitFn | None = None
         self._on_exit: ExitFn | None = None
         self._fail_keys: FailKeysFn | None = None
+        self._on_routed: RoutedFn | None = None
         self._stopping = False
         self._exited = False
         self._closed = False
@@ -159,8 +160,12 @@ class RayCoreClient(CoreClient):
 
     # ------------------------------------------------------------------ CoreClient
 
-    def start(self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn) -> None:
+    def start(
+        self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn,
+        on_routed: RoutedFn | None = None,
+    ) -> None:
         self._emit, self._on_exit, self._fail_keys = emit, on_exit, fail_keys
+        self._on_routed = on_routed
         for rep in self._replicas:
             self._start_pull(rep)
 
@@ -181,6 +186,11 @@ class RayCoreClient(CoreClient):
             except RuntimeError:
                 return  # no live replica: the engine is failing every request
             self._submit(self._replicas[i], [("add", req, None)])
+            if self._on_routed is not None:
+                try:
+                    self._on_routed(req.request_id, i)
+                except Exception:
+                    logger.exception("routing hook failed")
         elif mtype is MessageType.ABORT:
             keys = [msg.payload] if isinstance(msg.payload, str) else list(msg.payload or ())
             for i, ks in self.router.split(keys).items():

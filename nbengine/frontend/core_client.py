@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 EmitFn = Callable[[EngineCoreOutputs], None]
 ExitFn = Callable[[str | None], None]
 FailKeysFn = Callable[[set[str], str], None]
+RoutedFn = Callable[[str, int], None]
 
 BACKENDS = ("inproc", "ray")
 
@@ -57,8 +58,15 @@ class CoreClient(ABC):
     eos_token_ids: frozenset[int]
 
     @abstractmethod
-    def start(self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn) -> None:
-        """Start serving; batches go to ``emit`` (called from client threads)."""
+    def start(
+        self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn,
+        on_routed: RoutedFn | None = None,
+    ) -> None:
+        """Start serving; batches go to ``emit`` (called from client threads).
+
+        ``on_routed(key, replica)`` is called on the loop thread when a multi-replica
+        client places a request key (for the metrics' ``replica`` column).
+        """
 
     @abstractmethod
     def send(self, msg: EngineCoreMessage) -> None:
@@ -109,7 +117,10 @@ class InprocCoreClient(CoreClient):
         self.thread: threading.Thread | None = None
         self._started_at = time.monotonic()
 
-    def start(self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn) -> None:
+    def start(
+        self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn,
+        on_routed: RoutedFn | None = None,
+    ) -> None:
         self.thread = threading.Thread(
             target=_core_thread_main,
             args=(self.core, self.queue, emit, on_exit),

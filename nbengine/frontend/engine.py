@@ -80,8 +80,8 @@ atexit.register(_shutdown_all_engines)
 def _client_callbacks(
     engine_ref: weakref.ref[Engine],
 ) -> tuple[Callable[[EngineCoreOutputs], None], Callable[[str | None], None],
-           Callable[[set[str], str], None]]:
-    """``emit``, ``on_exit`` and ``fail_keys`` for the core client.
+           Callable[[set[str], str], None], Callable[[str, int], None]]:
+    """``emit``, ``on_exit``, ``fail_keys`` and ``on_routed`` for the core client.
 
     They hold the Engine only weakly: an engine that nobody references any more (its
     notebook cell was re-executed) can be garbage-collected, and its finalizer
@@ -103,7 +103,12 @@ def _client_callbacks(
         if engine is not None:
             engine._call_soon(engine._fail_keys, keys, message)
 
-    return emit, on_exit, fail
+    def routed(key: str, replica: int) -> None:  # called on the loop thread
+        engine = engine_ref()
+        if engine is not None:
+            engine._on_routed(key, replica)
+
+    return emit, on_exit, fail, routed
 
 
 def _reap_engine(client: CoreClient, exit_stack: contextlib.ExitStack) -> None:
@@ -248,6 +253,12 @@ class Engine:
         self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
     ) -> None:
         """Called on the loop thread when an incarnation (each n>1 child) is registered."""
+
+    def _on_routed(self, key: str, replica: int) -> None:
+        """Called on the loop thread when a multi-replica backend places ``key``."""
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:
+            monitor.metrics.on_replica(key, replica)
 
     def _on_tokens(
         self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None

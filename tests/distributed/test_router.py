@@ -81,3 +81,16 @@ def test_default_backend_never_imports_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_metrics_replica_column() -> None:
+    from nbengine.metrics import REQUEST_COLUMNS, MetricsLog
+
+    log = MetricsLog()
+    log.on_request("a#1", "a", 3, 0.0)
+    log.on_request("b#2", "b", 3, 0.0)
+    log.on_replica("a#1", 1)
+    log.on_replica("unknown#9", 0)  # ignored
+    df = log.request_stats()
+    assert "replica" in REQUEST_COLUMNS and str(df["replica"].dtype) == "Int64"
+    assert df["replica"].iloc[0] == 1 and df["replica"].isna().iloc[1]
