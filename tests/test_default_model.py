@@ -35,9 +35,6 @@ REQUIRED_FILES = (
     "TRAINING.json",
 )
 
-needs_model = pytest.mark.skipif(
-    not (MODEL_DIR / "model.safetensors").exists(), reason="default model not trained yet"
-)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +71,6 @@ def _greedy(model: object, tokenizer: object, prompt: str, new_tokens: int = 30)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-@needs_model
 def test_directory_has_the_hf_files_and_fits_the_size_budget() -> None:
     for name in REQUIRED_FILES:
         assert (MODEL_DIR / name).is_file(), name
@@ -82,7 +78,6 @@ def test_directory_has_the_hf_files_and_fits_the_size_budget() -> None:
     assert total <= 30 * 1024 * 1024, f"default model directory is {total / 2**20:.1f} MiB"
 
 
-@needs_model
 def test_config_describes_a_llama_with_endoftext_as_bos_and_eos(hf_tokenizer: object) -> None:
     cfg = json.loads((MODEL_DIR / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
@@ -98,7 +93,6 @@ def test_config_describes_a_llama_with_endoftext_as_bos_and_eos(hf_tokenizer: ob
     assert tcfg["model_max_length"] == cfg["max_position_embeddings"]
 
 
-@needs_model
 def test_transformers_loads_model_and_tokenizer(hf_model: object, hf_tokenizer: object) -> None:
     assert type(hf_model).__name__ == "LlamaForCausalLM"
     assert hf_model.config.vocab_size == len(hf_tokenizer)
@@ -111,7 +105,6 @@ def test_transformers_loads_model_and_tokenizer(hf_model: object, hf_tokenizer: 
     assert torch.isfinite(logits).all()
 
 
-@needs_model
 def test_tokenizer_json_round_trips_any_text_with_the_tokenizers_library() -> None:
     from tokenizers import Tokenizer
 
@@ -123,7 +116,6 @@ def test_tokenizer_json_round_trips_any_text_with_the_tokenizers_library() -> No
     assert 4096 <= tok.get_vocab_size() <= 8192
 
 
-@needs_model
 @pytest.mark.parametrize("prompt", ["The for statement", "A list is", "The import system"])
 def test_greedy_continuation_is_mostly_english_words(
     hf_model: object, hf_tokenizer: object, reference_words: set[str], prompt: str
@@ -139,7 +131,6 @@ def test_greedy_continuation_is_mostly_english_words(
     assert top_count <= 0.5 * len(words), f"one word dominates {text!r}"
 
 
-@needs_model
 def test_training_report_beats_the_unigram_baseline() -> None:
     report = json.loads((MODEL_DIR / "TRAINING.json").read_text())
     val = report["validation"]
