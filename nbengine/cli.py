@@ -36,6 +36,11 @@ class _Track:
     attempt: int = 1
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    @property
+    def label(self) -> str:
+        """The request id, marked when it is a reuse of a cancelled request's id."""
+        return self.request_id if self.attempt == 1 else f"{self.request_id}#{self.attempt}"
+
 
 def _consume(handle: object, track: _Track) -> None:
     """Stream one handle (sync iteration on its own thread) into ``track``."""
@@ -57,7 +62,7 @@ def _status_lines(tracks: Sequence[_Track], width: int) -> list[str]:
     for t in tracks:
         with t.lock:
             snippet = " ".join(t.text.split())
-            head = f"{t.request_id:<9} {t.status:<22} {t.num_tokens:>4} tok  "
+            head = f"{t.label:<11} {t.status:<22} {t.num_tokens:>4} tok  "
             lines.append((head + snippet[-max(10, width - len(head)):])[:width])
     return lines
 
@@ -133,10 +138,9 @@ def run_demo(model: str | None = None, max_tokens: int = 48, out: TextIO = sys.s
         ttft = (t.first_token_at - t.start) * 1000 if t.first_token_at else float("nan")
         dur = (t.end or time.monotonic()) - (t.first_token_at or t.start)
         rate = (t.num_tokens - 1) / dur if t.num_tokens > 1 and dur > 0 else float("nan")
-        name = t.request_id + ("#2" if t.attempt == 2 else "")
         text = " ".join(t.text.split())[:60]
         out.write(
-            f"{name:<12}{t.finish_reason or '-':<8}{t.num_tokens:>7}{ttft:>10.1f}{rate:>8.1f}  "
+            f"{t.label:<12}{t.finish_reason or '-':<8}{t.num_tokens:>7}{ttft:>10.1f}{rate:>8.1f}  "
             f"{t.prompt} {text}\n"
         )
     return 0
