@@ -245,3 +245,63 @@ def test_lost_replica_fails_only_its_requests_then_restart(engine: nb.Engine) ->
           for i in range(2)]
     assert sorted(replica_of(engine, h) for h in hs) == [0, 1]
     assert all(len(h.result(timeout=WAIT_S).outputs[0].token_ids) == 3 for h in hs)
+
+
+def test_core_failure_in_a_replica_fails_only_its_requests(engine: nb.Engine) -> None:
+    a = engine.generate("First", long_params(), request_id="fa")
+    b = engine.generate("Second", long_params(), request_id="fb")
+    wait_first_token(a)
+    wait_first_token(b)
+    bad, good = replica_of(engine, a), replica_of(engine, b)
+    assert bad != good
+
+    def break_model(core: Any) -> None:
+        def execute(batch: Any) -> Any:
+            raise RuntimeError("injected forward failure")
+
+        core.runner.execute = execute
+
+    engine._client.run_utility(break_model, replica=bad).result(timeout=WAIT_S)  # type: ignore[attr-defined]
+    with pytest.raises(nb.EngineDeadError, match=f"Replica {bad} .*injected forward failure"):
+        a.result(timeout=WAIT_S)
+    assert a.final_output is not None and a.final_output.outputs[0].finish_reason == "error"
+    assert engine.is_alive and not b.done()
+    assert [r["alive"] for r in engine.replicas()][bad] is False
+    assert b.cancel().outputs[0].finish_reason == "abort"  # type: ignore[union-attr]
+    engine.restart_replica(bad)
+    assert all(r["alive"] for r in engine.replicas())
+    r = engine.generate("Back", nb.SamplingParams(max_tokens=2, ignore_eos=True)).result(
+        timeout=WAIT_S)
+    assert len(r.outputs[0].token_ids) == 2
+
+
+def test_engine_dies_when_its_last_replica_is_lost(ray_cluster: Any, tiny_model: Path) -> None:
+    # num_cpus=0: the module's engine already holds both CPUs of the cluster.
+    eng = nb.Engine(str(tiny_model), backend="ray", data_parallel_size=1,
+                    resources_per_replica={"num_cpus": 0}, **ENGINE_KW)
+    try:
+        h = eng.generate("Alone", long_params())
+        wait_first_token(h)
+        ray.kill(eng._client._replicas[0].actor)  # type: ignore[attr-defined]
+        with pytest.raises(nb.EngineDeadError, match="Replica 0"):
+            h.result(timeout=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while eng.is_alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(nb.EngineDeadError):
+            eng.generate("After", nb.SamplingParams(max_tokens=2))
+        with pytest.raises(nb.EngineDeadError):
+            eng.restart_replica(0)
+    finally:
+        eng.shutdown()
+    assert ray.is_initialized()
+
+
+def test_backend_arguments_are_checked(ray_cluster: Any, tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
+        nb.Engine(str(tiny_model), backend="ray", data_parallel_size=0)
+    with pytest.raises(ValueError, match="resources_per_replica takes"):
+        nb.Engine(str(tiny_model), backend="ray", resources_per_replica={"gpus": 1})
+    with pytest.raises(ValueError, match="routing must be"):
+        nb.Engine(str(tiny_model), backend="ray", routing="random")

@@ -94,3 +94,22 @@ def test_metrics_replica_column() -> None:
     df = log.request_stats()
     assert "replica" in REQUEST_COLUMNS and str(df["replica"].dtype) == "Int64"
     assert df["replica"].iloc[0] == 1 and df["replica"].isna().iloc[1]
+
+
+def test_backend_choice_is_checked(tmp_path: object) -> None:
+    from pathlib import Path
+
+    import nbengine as nb
+    from nbengine.testing import make_tiny_model
+
+    model = make_tiny_model(Path(str(tmp_path)) / "m", hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        nb.Engine(str(model), backend="mpi")
+    with pytest.raises(TypeError, match="data_parallel_size only apply to backend='ray'"):
+        nb.Engine(str(model), data_parallel_size=2)
+    with nb.Engine(str(model), num_kv_blocks=64) as eng:
+        (health,) = eng.replicas()
+        assert health["alive"] and health["backend"] == "inproc"
+        with pytest.raises(NotImplementedError, match="backend='ray'"):
+            eng.restart_replica(0)
