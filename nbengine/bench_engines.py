@@ -260,7 +260,7 @@ class HFContinuousDriver:
         cb = ContinuousBatchingConfig(
             page_size=page, num_blocks=per_req * len(wl.prompts) + 8,
             max_batch_tokens=self.max_batch_tokens,
-            max_requests_per_batch=self.max_requests, allow_block_sharing=False,
+            max_requests_per_batch=self.max_requests, allow_block_sharing=True,
             auto_switch_to_flash=False, use_cuda_graph=False, use_async_batching=False,
         )
         gen = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens),
