@@ -41,6 +41,7 @@ from nbengine.core.messages import (
     StepStats,
 )
 from nbengine.frontend.core_client import CoreClient, fail_keys, make_core_client
+from nbengine.dashboard.monitor import EngineMonitor
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
 from nbengine.frontend.events import LifecycleEvent
 from nbengine.frontend.handles import RequestHandle, _make_async_waiter
@@ -50,7 +51,11 @@ from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError
 from nbengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import pandas as pd
+    import plotly.graph_objects as go
+
     from nbengine.core.engine_core import EngineCore, RunnerLike
+    from nbengine.dashboard.dashboard import Dashboard
 
 __all__ = ["Engine"]
 
@@ -201,6 +206,8 @@ class Engine:
         self._stream_interval = self.config.scheduler.stream_interval
 
         self._events: deque[LifecycleEvent] = deque(maxlen=_MAX_EVENTS)
+        # Metrics log and widgets; fed by the hooks below, on the loop thread.
+        self._monitor = EngineMonitor(self)
         self._steps: deque[StepStats] = deque(maxlen=_MAX_STEPS)
         self._dead: str | None = None  # why the engine can no longer serve (loop thread writes)
         self._closed = False
@@ -244,15 +251,18 @@ class Engine:
     def _on_event(self, ev: LifecycleEvent) -> None:
         """Called on the loop thread for every lifecycle transition."""
         self._events.append(ev)
+        self._monitor.on_event(ev)
 
     def _on_step(self, stats: StepStats) -> None:
         """Called on the loop thread for every engine step."""
         self._steps.append(stats)
+        self._monitor.on_step(stats)
 
     def _on_request(
         self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
     ) -> None:
         """Called on the loop thread when an incarnation (each n>1 child) is registered."""
+        self._monitor.on_request(key, request_id, num_prompt_tokens, arrival_time)
 
     def _on_routed(self, key: str, replica: int) -> None:
         """Called on the loop thread when a multi-replica backend places ``key``."""
@@ -264,6 +274,7 @@ class Engine:
         self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None
     ) -> None:
         """Called on the loop thread when ``key`` has new tokens (cumulative count)."""
+        self._monitor.on_tokens(key, num_output_tokens, now, num_cached_tokens)
 
     # ------------------------------------------------------------ core thread
 
@@ -618,6 +629,32 @@ class Engine:
         """Number of live requests (user ids, not children)."""
         return len(self._processor.requests)
 
+    # ------------------------------------------------- metrics and widgets (any thread)
+
+    def events(self) -> pd.DataFrame:
+        """One row per lifecycle transition: request_id, key, from_status, to_status,
+        time, elapsed, wall_time, num_output_tokens, step (``nbengine.metrics``)."""
+        return self._monitor.metrics.events()
+
+    def request_stats(self) -> pd.DataFrame:
+        """One row per request incarnation: status, finish_reason, prompt/output tokens,
+        queue_time, ttft, itl_mean, itl_p99, e2e_time, preemptions, num_cached_tokens."""
+        return self._monitor.metrics.request_stats()
+
+    def step_stats(self) -> pd.DataFrame:
+        """One row per engine step: batch size, prefill/decode tokens, KV blocks used and
+        total, step_time, running, waiting, preemptions, prefix-cache hit rate."""
+        return self._monitor.metrics.step_stats()
+
+    def dashboard(self) -> Dashboard:
+        """The live dashboard widget: requests and their statuses with Cancel buttons,
+        "Cancel all", KV cache usage, throughput and running/waiting charts."""
+        return self._monitor.dashboard()
+
+    def plot_timeline(self, **kwargs: Any) -> go.Figure:
+        """A static plotly Gantt chart of every request's statuses over time."""
+        return self._monitor.plot_timeline(**kwargs)
+
     @property
     def is_alive(self) -> bool:
         """False once the engine failed or was shut down."""
@@ -648,6 +685,7 @@ class Engine:
             self._exit_stack.close()
         except Exception:
             logger.exception("closing the engine loop failed")
+        self._monitor.shutdown()  # widgets show their final states, the UI updater stops
 
     def replicas(self) -> list[dict[str, Any]]:
         """Health of each engine core: one dict per replica (``alive``, ``unfinished``, ...)."""

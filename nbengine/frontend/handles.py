@@ -30,6 +30,7 @@ from nbengine.request import EngineDeadError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from nbengine.dashboard.handle_widget import HandleWidget
     from nbengine.frontend.engine import Engine
     from nbengine.frontend.output_processor import LiveRequest
 
@@ -233,6 +234,18 @@ class RequestHandle:
 
     def __repr__(self) -> str:
         return f"RequestHandle(request_id={self.request_id!r}, status={self._status.name})"
+
+    def widget(self) -> HandleWidget:
+        """The live widget of this request (text, status badge, tokens/s, Cancel button);
+        one per handle, created on the calling thread."""
+        return self._engine._monitor.handle_widget(self)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        """In a notebook a handle shows its widget; the text/plain form stays
+        ``RequestHandle(request_id=...)`` while it runs (stable for nbval)."""
+        from nbengine.dashboard.handle_widget import handle_mimebundle
+
+        return handle_mimebundle(self, **kwargs)
 
     # ------------------------------------------------------------- loop thread
 

@@ -62,7 +62,6 @@ def _engine_args(tmp: Path) -> str:
 
 def _cells(engine_args: str) -> list[str]:
     setup = "\n".join([
-        "import sys; sys.path.insert(0, %r); import _shim; _shim.install()  # TEMP" % str(REPO / "tests" / "dashboard"),
         "import nbengine as nb",
         f"engine = nb.Engine({engine_args})",
         "LONG_TOKENS = engine._max_model_len - 64",

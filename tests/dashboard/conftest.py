@@ -10,10 +10,6 @@ import pytest
 import nbengine as nb
 from nbengine.testing import make_tiny_model
 
-import _shim  # TEMPORARY, see _shim.py
-
-_shim.install()
-
 TINY = dict(
     hidden_size=32,
     intermediate_size=64,
