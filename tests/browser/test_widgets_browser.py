@@ -14,6 +14,7 @@ environment variable is "true", then it fails.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOTS = REPO / "artifacts" / "screenshots"
 DEFAULT_MODEL = REPO / "nbengine" / "default_model" / "config.json"
+MIN_CONTEXT = 4096  # positions a model needs for this test's long requests
 
 # Every request the test cancels asks for far more tokens than it can make in the
 # time the test takes, so only a Cancel can end it.
@@ -46,9 +48,16 @@ def _require_chromium() -> None:
 
 def _engine_args(tmp: Path) -> str:
     """Python source of nb.Engine's arguments in the kernel: the shipped default model
-    when there is one, else a tiny random model written to ``tmp``."""
+    when there is one with room for long requests, else a tiny random model in ``tmp``.
+
+    Every cancelled request must still be running when the test clicks, seconds after it
+    started, so the model needs a long context (the first default model has 256 positions:
+    a request ends within a few seconds).
+    """
     if DEFAULT_MODEL.exists():
-        return "max_num_seqs=8"
+        config = json.loads(DEFAULT_MODEL.read_text())
+        if int(config.get("max_position_embeddings", 0)) >= MIN_CONTEXT:
+            return "max_num_seqs=8"
     from nbengine.testing import make_tiny_model
 
     path = make_tiny_model(
