@@ -259,6 +259,16 @@ class RayCoreClient(CoreClient):
                     self._lost(rep, f"its actor died ({type(exc).__name__})")
                 return
             rep.pulls += 1
+            # Utility results first: a call that completed is not failed by a core
+            # failure reported in the same reply.
+            for uid, ok, value in results:
+                fut = rep.utilities.pop(uid, None)
+                if fut is None:
+                    continue
+                try:
+                    fut.set_result(value) if ok else fut.set_exception(value)
+                except InvalidStateError:
+                    pass
             for batch in batches:
                 if batch.engine_error is not None:
                     # That core is dead; the engine (other replicas) lives on.
@@ -272,14 +282,6 @@ class RayCoreClient(CoreClient):
                     self.router.on_finished(rep.index, batch.finished)
                 if self._emit is not None:
                     self._emit(batch)
-            for uid, ok, value in results:
-                fut = rep.utilities.pop(uid, None)
-                if fut is None:
-                    continue
-                try:
-                    fut.set_result(value) if ok else fut.set_exception(value)
-                except InvalidStateError:
-                    pass
             if exit_error is not None:
                 if not self._stopping:
                     self._lost(rep, f"its core loop exited {exit_error or 'unexpectedly'}")

@@ -37,12 +37,14 @@ def wait_first_token(h: nb.RequestHandle) -> None:
 
 
 def replica_of(engine: nb.Engine, h: nb.RequestHandle) -> int:
-    keys = [c.key for c in h._live.children]  # type: ignore[union-attr]
-    where = {engine._client.router.replica_of(k) for k in keys}  # type: ignore[attr-defined]
+    """The replica serving ``h`` (from request_stats' replica column: kept after the end)."""
+    keys = {c.key for c in h._live.children}  # type: ignore[union-attr]
+    stats = engine.request_stats()
+    where = set(stats[stats["key"].isin(keys)]["replica"].tolist())
     assert len(where) == 1, where
     (r,) = where
-    assert r is not None
-    return r
+    assert r in (0, 1)
+    return int(r)
 
 
 @pytest.fixture(scope="module")
