@@ -185,7 +185,10 @@ class RayCoreClient(CoreClient):
                 i = self.router.route(req.request_id, req.prompt_token_ids)
             except RuntimeError:
                 return  # no live replica: the engine is failing every request
-            self._submit(self._replicas[i], [("add", req, None)])
+            try:
+                self._submit(self._replicas[i], [("add", req, None)])
+            except Exception:
+                logger.exception("sending %s to replica %d failed", req.request_id, i)
             if self._on_routed is not None:
                 try:
                     self._on_routed(req.request_id, i)
@@ -194,7 +197,10 @@ class RayCoreClient(CoreClient):
         elif mtype is MessageType.ABORT:
             keys = [msg.payload] if isinstance(msg.payload, str) else list(msg.payload or ())
             for i, ks in self.router.split(keys).items():
-                self._submit(self._replicas[i], [("abort", ks, None)])
+                try:
+                    self._submit(self._replicas[i], [("abort", ks, None)])
+                except Exception:
+                    logger.exception("sending an abort to replica %d failed", i)
         elif mtype is MessageType.UTILITY:
             fut = msg.future if msg.future is not None else Future()
             self._utility(self._first_alive(), msg.payload, fut)
@@ -202,17 +208,30 @@ class RayCoreClient(CoreClient):
             self._stopping = True
             for rep in self._replicas:
                 if rep.alive:
-                    self._submit(rep, [("shutdown", None, None)])
+                    try:
+                        self._submit(rep, [("shutdown", None, None)])
+                    except Exception:
+                        logger.debug("replica %d shutdown message failed", rep.index)
         else:
             raise ValueError(f"unknown engine core message {msg!r}")
 
     def _submit(self, rep: _Replica, messages: list[WireMessage]) -> None:
+        """Submit with the replica's next sequence number; raise if it cannot be sent.
+
+        A failed call (e.g. an unpicklable utility) still uses up its number with an
+        empty submit, so the actor never waits for a gap that will not be filled.
+        """
         if not rep.alive:
             return  # its requests are being failed
+        seq = next(rep.seq)
         try:
-            rep.actor.submit.remote(next(rep.seq), messages)
+            rep.actor.submit.remote(seq, messages)
         except Exception:
-            logger.exception("submitting to replica %d failed", rep.index)
+            try:
+                rep.actor.submit.remote(seq, [])
+            except Exception:
+                logger.exception("replica %d: could not fill sequence gap %d", rep.index, seq)
+            raise
 
     def _first_alive(self) -> _Replica | None:
         return next((r for r in self._replicas if r.alive), None)
@@ -223,7 +242,11 @@ class RayCoreClient(CoreClient):
             return
         uid = next(self._uids)
         rep.utilities[uid] = fut
-        self._submit(rep, [("utility", fn, uid)])
+        try:
+            self._submit(rep, [("utility", fn, uid)])
+        except Exception as exc:  # e.g. fn does not pickle
+            rep.utilities.pop(uid, None)
+            fut.set_exception(exc)
 
     def run_utility(self, fn: Callable[[EngineCore], Any], replica: int | None = None) -> Future[Any]:
         """Run ``fn(core)`` in a replica's actor between steps (``fn`` must pickle).

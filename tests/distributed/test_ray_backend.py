@@ -301,3 +301,16 @@ def test_backend_arguments_are_checked(ray_cluster: Any, tiny_model: Path) -> No
         nb.Engine(str(tiny_model), backend="ray", resources_per_replica={"gpus": 1})
     with pytest.raises(ValueError, match="routing must be"):
         nb.Engine(str(tiny_model), backend="ray", routing="random")
+
+
+def test_unpicklable_utility_fails_alone_and_replica_keeps_order(engine: nb.Engine) -> None:
+    lock = threading.Lock()
+    fut = engine._client.run_utility(lambda core: lock, replica=0)  # type: ignore[attr-defined]
+    with pytest.raises(Exception):
+        fut.result(timeout=WAIT_S)
+    # The replica's message sequence has no gap: later calls and requests still run.
+    assert engine._client.run_utility(  # type: ignore[attr-defined]
+        lambda core: core.num_unfinished_requests() >= 0, replica=0).result(timeout=WAIT_S)
+    hs = [engine.generate(f"Still {i}", nb.SamplingParams(max_tokens=2, ignore_eos=True))
+          for i in range(4)]
+    assert all(len(h.result(timeout=WAIT_S).outputs[0].token_ids) == 2 for h in hs)
