@@ -48,6 +48,10 @@ def _preload_widget_modules() -> None:
     if _preload_started or "ipykernel" not in sys.modules:
         return
     _preload_started = True
+    # pandas is imported here, on the caller's thread, before the preload thread starts:
+    # plotly imports it too, and a first import of pandas racing between that thread and
+    # the notebook's (engine.events()) can leave one of them a partially initialised module.
+    import pandas  # noqa: F401
 
     def preload() -> None:
         try:
