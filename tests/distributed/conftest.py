@@ -15,6 +15,8 @@ import pytest
 
 from nbengine.testing import make_tiny_model
 
+from dist_util import TINY
+
 for _k, _v in {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
@@ -23,15 +25,6 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=8192,
-)
-ENGINE_KW = dict(num_kv_blocks=512, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
 _STORE = 100 * 1024 * 1024
 
 

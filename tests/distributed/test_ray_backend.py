@@ -20,7 +20,7 @@ import nbengine as nb  # noqa: E402
 from nbengine import RequestOutputKind as Kind  # noqa: E402
 from nbengine import RequestStatus as S  # noqa: E402
 
-from conftest import ENGINE_KW  # noqa: E402
+from dist_util import ENGINE_KW  # noqa: E402
 
 WAIT_S = 60.0
 
