@@ -36,7 +36,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
     """Two Ray nodes on this machine (1 CPU each), the driver connected to them."""
-    ray = pytest.importorskip("ray", reason="backend='ray' tests need Ray (pip install 'nbengine[ray]')")
+    ray = pytest.importorskip(
+        "ray", reason="backend='ray' tests need Ray (pip install 'nbengine[ray]')",
+        exc_type=ImportError,
+    )
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="backend='ray' tests need Ray (pip install 'nbengine[ray]')")
+ray = pytest.importorskip(
+    "ray", reason="backend='ray' tests need Ray (pip install 'nbengine[ray]')", exc_type=ImportError
+)
 
 import nbengine as nb  # noqa: E402
 from nbengine import RequestOutputKind as Kind  # noqa: E402
