@@ -1,6 +1,15 @@
 """nbengine: an LLM inference engine embedded in a Jupyter kernel."""
 
 import logging as _logging
+import os as _os
+import sys as _sys
+
+# OpenMP worker threads that spin while waiting make every torch op 10-25x slower
+# whenever another process (or the notebook's own threads) wants the same cores, as
+# on any shared machine; sleeping waiters cost little on an idle one (docs/benchmarks.md).
+# This only takes effect if torch has not been imported yet; an explicit setting wins.
+if "torch" not in _sys.modules:
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from nbengine.frontend.engine import Engine
 from nbengine.frontend.handles import RequestHandle
