@@ -22,8 +22,9 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from nbengine.frontend.events import LifecycleEvent
 from nbengine.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ __all__ = [
     "REQUEST_COLUMNS",
     "STEP_COLUMNS",
     "EventRecord",
-    "LifecycleEventLike",
     "MetricsLog",
     "RequestSummary",
 ]
@@ -86,19 +86,6 @@ STEP_COLUMNS: tuple[str, ...] = (
     "preemptions",
     "prefix_cache_hit_rate",
 )
-
-
-class LifecycleEventLike(Protocol):
-    """What the log needs from a lifecycle event (``nbengine.frontend.events.LifecycleEvent``)."""
-
-    request_id: str
-    key: str
-    from_status: RequestStatus | None
-    to_status: RequestStatus
-    time: float
-    wall_time: float
-    num_output_tokens: int
-    step: int | None
 
 
 @dataclass(slots=True, frozen=True)
@@ -277,7 +264,7 @@ class MetricsLog:
             s.arrival_time = arrival_time
             self._version += 1
 
-    def on_event(self, ev: LifecycleEventLike) -> None:
+    def on_event(self, ev: LifecycleEvent) -> None:
         """Record one lifecycle transition and fold it into the request's summary."""
         rec = EventRecord(
             request_id=ev.request_id,
