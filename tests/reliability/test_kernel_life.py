@@ -84,17 +84,23 @@ SETUP = """
 import gc, threading, os
 import psutil
 import nbengine as nb
+# The widget modules an engine preloads in a kernel (once per process, on a short-lived
+# "nbengine-preload" thread) are imported up front, so memory figures measure engines.
+import ipywidgets, pandas, plotly.graph_objects as go
+go.FigureWidget
 MODEL = {model!r}
 KW = {kw!r}
-def engine_threads():
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("nbengine"))
+def engine_threads():  # threads owned by engines; the one-shot preload thread is no engine's
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("nbengine") and t.name != "nbengine-preload")
 def rss_mb():
     return psutil.Process(os.getpid()).memory_info().rss / 2**20
 def settle():
     import time
     for _ in range(100):
         gc.collect()
-        if not any(t.name == "nbengine-reaper" for t in threading.enumerate()):
+        if not any(t.name in ("nbengine-reaper", "nbengine-preload")
+                   for t in threading.enumerate()):
             break
         time.sleep(0.05)
 """
