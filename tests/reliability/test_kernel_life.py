@@ -158,14 +158,21 @@ def test_memory_returns_after_shutdown(kernel: Kernel) -> None:
     assert kernel.json("engine_threads()") == []
 
 
-def test_interrupt_during_sync_iteration_aborts_with_confirmation(kernel: Kernel) -> None:
+@pytest.mark.parametrize("where", ["in the handle's wait", "in the loop body"])
+def test_interrupt_during_sync_iteration_aborts_with_confirmation(
+    kernel: Kernel, where: str
+) -> None:
+    # In the loop body, the interrupt hits user code while the handle's iterator is
+    # merely suspended; the kernel hook must still cancel the request.
+    body_sleep = "        time.sleep(30)\n" if where == "in the loop body" else ""
     kernel.run("eng = nb.Engine(MODEL, **KW)")
     msg_id = kernel.kc.execute(
+        "import time\n"
         "h = eng.generate('Once upon', nb.SamplingParams(max_tokens=100000, ignore_eos=True),"
         " request_id='intr')\n"
         "for i, out in enumerate(h):\n"
         "    if i == 2:\n"
-        "        print('streaming', flush=True)\n"
+        "        print('streaming', flush=True)\n" + body_sleep
     )
     # Wait until the loop is really iterating, then interrupt the kernel (SIGINT).
     deadline = time.monotonic() + CELL_TIMEOUT
