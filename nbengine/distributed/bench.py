@@ -37,14 +37,14 @@ def _stream_overhead(engine: nb.Engine, tokens: int) -> dict[str, float]:
     """Mean frontend gap between tokens of one request vs the core's mean step time."""
     params = nb.SamplingParams(max_tokens=tokens, ignore_eos=True,
                                output_kind=nb.RequestOutputKind.DELTA)
-    steps_before = len(engine._steps)
+    steps_before = len(engine.step_stats())
     arrivals: list[float] = []
     for out in engine.generate("A single streamed request", params):
         arrivals.extend([time.perf_counter()] * len(out.outputs[0].token_ids))
     gaps = [b - a for a, b in zip(arrivals[10:], arrivals[11:])]
-    steps = list(engine._steps)[steps_before:][10:]
+    steps = engine.step_stats().step_time.iloc[steps_before:].iloc[10:]
     gap = statistics.mean(gaps) if gaps else float("nan")
-    step = statistics.mean(s.duration_s for s in steps) if steps else float("nan")
+    step = float(steps.mean()) if len(steps) else float("nan")
     return {"itl_ms": gap * 1e3, "step_ms": step * 1e3, "overhead_ms": (gap - step) * 1e3}
 
 

@@ -23,7 +23,6 @@ import queue
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -63,8 +62,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_MAX_EVENTS = 100_000
-_MAX_STEPS = 100_000
 _WAKE_S = 0.1
 _CORE_DEATH_GRACE_S = 2.0  # a dead core thread whose failure the loop has not delivered
 
@@ -205,10 +202,8 @@ class Engine:
         )
         self._stream_interval = self.config.scheduler.stream_interval
 
-        self._events: deque[LifecycleEvent] = deque(maxlen=_MAX_EVENTS)
         # Metrics log and widgets; fed by the hooks below, on the loop thread.
         self._monitor = EngineMonitor(self)
-        self._steps: deque[StepStats] = deque(maxlen=_MAX_STEPS)
         self._dead: str | None = None  # why the engine can no longer serve (loop thread writes)
         self._closed = False
         self._shutdown_lock = threading.Lock()
@@ -250,12 +245,10 @@ class Engine:
 
     def _on_event(self, ev: LifecycleEvent) -> None:
         """Called on the loop thread for every lifecycle transition."""
-        self._events.append(ev)
         self._monitor.on_event(ev)
 
     def _on_step(self, stats: StepStats) -> None:
         """Called on the loop thread for every engine step."""
-        self._steps.append(stats)
         self._monitor.on_step(stats)
 
     def _on_request(
