@@ -125,7 +125,7 @@ class NbengineDriver:
                     res.itl_s.extend(_gaps(stamps))
             hits, queries = engine.hits
             res.extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
-            res.extra["num_steps"] = len(engine._steps)
+            res.extra["num_steps"] = len(engine.step_stats())
         finally:
             engine.shutdown()
         return res
