@@ -31,7 +31,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from nbengine.core.messages import EngineCoreMessage, EngineCoreOutputs, MessageType
-from nbengine.request import EngineDeadError, FinishReason, RequestStatus
 
 if TYPE_CHECKING:
     from nbengine.config import EngineConfig
@@ -202,34 +201,5 @@ def make_core_client(
 
 
 def fail_keys(processor: OutputProcessor, keys: Iterable[str], message: str) -> int:
-    """Loop thread: fail the live requests owning ``keys`` with ``EngineDeadError(message)``.
-
-    Used when one replica is lost: its requests end with finish_reason "error" and
-    their iterators raise; every other request is untouched. A request is failed as a
-    whole (all ``n`` children live on one replica). Returns how many requests failed.
-    """
-    now = time.monotonic()
-    lives = []
-    for key in keys:
-        live = processor._parent_of.get(key)
-        if live is not None and live not in lives:
-            lives.append(live)
-    for live in lives:
-        if live.finalized:
-            continue
-        for child in live.children:
-            if child.released:
-                continue
-            child.released = True
-            child.finish_reason = FinishReason.ERROR
-            child.stop_reason = None
-            child.error = message
-            try:
-                child.detok.finish()
-            except Exception:
-                logger.exception("flushing the text of %s failed", child.key)
-            processor.keys.pop(child.key, None)
-            processor._parent_of.pop(child.key, None)
-            processor._transition(live, child, RequestStatus.FINISHED_ERROR)
-        processor._finalize(live, None, now, error=EngineDeadError(message))
-    return len(lives)
+    """Loop thread: fail the live requests owning ``keys`` (a lost replica's); returns how many."""
+    return processor.fail_requests(keys, message)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -504,23 +504,42 @@ class OutputProcessor:
     def fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         """Finish every live request at once (the core is dead or shut down)."""
         now = time.monotonic()
-        status = _STATUS_OF_REASON[reason]
         for live in list(self.requests.values()):
-            for child in live.children:
-                if child.released:
-                    continue
-                child.released = True
-                child.finish_reason = reason
-                child.stop_reason = None
-                child.error = message
-                try:
-                    child.detok.finish()
-                except Exception:  # a broken tokenizer must not stop the failing
-                    logger.exception("flushing the text of %s failed", child.key)
-                self.keys.pop(child.key, None)
-                self._parent_of.pop(child.key, None)
-                self._transition(live, child, status)
-            self._finalize(live, None, now, error=EngineDeadError(message))
+            self._fail(live, message, reason, now)
         self.requests.clear()
         self.keys.clear()
         self._parent_of.clear()
+
+    def fail_requests(self, keys: Iterable[str], message: str) -> int:
+        """Fail the live requests owning ``keys`` (finish_reason "error", EngineDeadError).
+
+        Used when one replica of several is lost: only its requests end, each as a
+        whole (all ``n`` children of a request live on one replica). Returns how many.
+        """
+        now = time.monotonic()
+        lives: list[LiveRequest] = []
+        for key in keys:
+            live = self._parent_of.get(key)
+            if live is not None and live not in lives and not live.finalized:
+                lives.append(live)
+        for live in lives:
+            self._fail(live, message, FinishReason.ERROR, now)
+        return len(lives)
+
+    def _fail(self, live: LiveRequest, message: str, reason: FinishReason, now: float) -> None:
+        status = _STATUS_OF_REASON[reason]
+        for child in live.children:
+            if child.released:
+                continue
+            child.released = True
+            child.finish_reason = reason
+            child.stop_reason = None
+            child.error = message
+            try:
+                child.detok.finish()
+            except Exception:  # a broken tokenizer must not stop the failing
+                logger.exception("flushing the text of %s failed", child.key)
+            self.keys.pop(child.key, None)
+            self._parent_of.pop(child.key, None)
+            self._transition(live, child, status)
+        self._finalize(live, None, now, error=EngineDeadError(message))
