@@ -138,10 +138,10 @@ def run_demo(model: str | None = None, max_tokens: int = 48, out: TextIO = sys.s
         ttft = (t.first_token_at - t.start) * 1000 if t.first_token_at else float("nan")
         dur = (t.end or time.monotonic()) - (t.first_token_at or t.start)
         rate = (t.num_tokens - 1) / dur if t.num_tokens > 1 and dur > 0 else float("nan")
-        text = " ".join(t.text.split())[:60]
+        text = " ".join((t.prompt + t.text).split())[:80]
         out.write(
             f"{t.label:<12}{t.finish_reason or '-':<8}{t.num_tokens:>7}{ttft:>10.1f}{rate:>8.1f}  "
-            f"{t.prompt} {text}\n"
+            f"{text}\n"
         )
     return 0
 
