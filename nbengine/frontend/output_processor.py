@@ -409,18 +409,8 @@ class OutputProcessor:
                 )
             )
         errors = [c.error for c in live.children if c.error]
-        return RequestOutput(
-            request_id=live.request_id,
-            prompt=live.prompt,
-            prompt_token_ids=live.prompt_token_ids,
-            outputs=comps,
-            finished=True,
-            status=live.status,
-            metrics=live.metrics,
-            prompt_logprobs=live.prompt_logprobs,
-            num_cached_tokens=live.num_cached_tokens,
-            error=errors[0] if errors else None,
-        )
+        return _request_output(live, comps, True, live.prompt_logprobs,
+                               error=errors[0] if errors else None)
 
     def _publish(self, live: LiveRequest, updated: set[str], now: float) -> None:
         if live.finalized:
@@ -448,17 +438,7 @@ class OutputProcessor:
                     prompt_lp = None if live.prompt_logprobs_sent else live.prompt_logprobs
                 if prompt_lp is not None:
                     live.prompt_logprobs_sent = True
-                stream_out = RequestOutput(
-                    request_id=live.request_id,
-                    prompt=live.prompt,
-                    prompt_token_ids=live.prompt_token_ids,
-                    outputs=comps,
-                    finished=all_released,
-                    status=live.status,
-                    metrics=live.metrics,
-                    prompt_logprobs=prompt_lp,
-                    num_cached_tokens=live.num_cached_tokens,
-                )
+                stream_out = _request_output(live, comps, all_released, prompt_lp)
         if not all_released:
             if stream_out is not None:
                 live.handle._deliver(stream_out)
@@ -480,16 +460,7 @@ class OutputProcessor:
             stream_out = self._full_output(live)
         elif stream_out is None:
             # Every child's last completion went out earlier; close the stream anyway.
-            stream_out = RequestOutput(
-                request_id=live.request_id,
-                prompt=live.prompt,
-                prompt_token_ids=live.prompt_token_ids,
-                outputs=[],
-                finished=True,
-                status=live.status,
-                metrics=live.metrics,
-                num_cached_tokens=live.num_cached_tokens,
-            )
+            stream_out = _request_output(live, [], True, None)
         stream_out.finished = True
         stream_out.status = final.status
         # Free the id first: a consumer that sees the final output may reuse it at once.
@@ -543,3 +514,25 @@ class OutputProcessor:
             self._parent_of.pop(child.key, None)
             self._transition(live, child, status)
         self._finalize(live, None, now, error=EngineDeadError(message))
+
+
+def _request_output(
+    live: LiveRequest,
+    outputs: list[CompletionOutput],
+    finished: bool,
+    prompt_logprobs: list[PositionLogprobs | None] | None,
+    error: str | None = None,
+) -> RequestOutput:
+    """A RequestOutput of ``live`` with its current status and metrics."""
+    return RequestOutput(
+        request_id=live.request_id,
+        prompt=live.prompt,
+        prompt_token_ids=live.prompt_token_ids,
+        outputs=outputs,
+        finished=finished,
+        status=live.status,
+        metrics=live.metrics,
+        prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=live.num_cached_tokens,
+        error=error,
+    )
