@@ -97,6 +97,8 @@ class Dashboard(widgets.VBox):
         self.kv_label = widgets.HTML("")
         self.kv_label.add_class("nbengine-kv")
         kv = widgets.HBox([self.kv_bar, self.kv_label], layout=widgets.Layout(grid_gap="12px"))
+        self.replicas = widgets.HTML("")  # health of each engine core (replica)
+        self.replicas.add_class("nbengine-replicas")
         fig = make_subplots(
             rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "requests")
         )
@@ -113,7 +115,7 @@ class Dashboard(widgets.VBox):
         super().__init__(
             [widgets.HBox([self.title, self.cancel_all],
                           layout=widgets.Layout(grid_gap="16px", align_items="center")),
-             table, kv, self.figure]
+             table, kv, self.replicas, self.figure]
         )
         self.add_class("nbengine-dashboard")
         self.view = DashboardView(self, monitor)
@@ -183,6 +185,7 @@ class DashboardView:
         self._refresh_kv()
         self._ticks += 1
         if self._ticks % CHART_EVERY_TICKS == 1 or self.monitor.updater.stopped:
+            self._refresh_replicas()
             if metrics.version != self._chart_version:
                 self._chart_version = metrics.version
                 self._refresh_charts(now)
@@ -245,6 +248,23 @@ class DashboardView:
             f"{st.kv_blocks_used} / {st.kv_blocks_total} blocks "
             f"({100 * st.kv_blocks_used / total:.0f}%) · prefix-cache hit rate {100 * hit:.0f}%",
         )
+
+    def _refresh_replicas(self) -> None:
+        try:
+            replicas = self.monitor.engine.replicas()
+        except Exception:  # the engine is gone: keep the last state shown
+            return
+        lines = []
+        for r in replicas:
+            alive = r["alive"] and self.monitor.engine_alive()
+            state = "alive" if alive else f"down: {r.get('error') or 'stopped'}"
+            colour = "#2e7d32" if alive else "#c62828"
+            lines.append(
+                f'<span style="color:{colour}">&#9679;</span> replica {r["replica"]} '
+                f'({html.escape(str(r["backend"]))}): {html.escape(state)} · '
+                f'{r["unfinished"]} unfinished · {r["steps"]} steps'
+            )
+        self._set(self.dash.replicas, "value", "<br>".join(lines))
 
     def _refresh_charts(self, now: float) -> None:
         metrics = self.monitor.metrics

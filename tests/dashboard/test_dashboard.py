@@ -77,3 +77,22 @@ def test_kv_usage_and_charts_show_engine_activity(engine: nb.Engine) -> None:
     assert names == ["generated tok/s", "prompt tok/s", "running", "waiting"]
     assert max(dash.figure.data[0].y) > 0
     assert dash._repr_mimebundle_()["text/plain"] == "Dashboard()"
+
+
+def test_replica_health_line_shows_the_core_and_its_death() -> None:
+    from nbengine.testing import make_tiny_model
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(tmp, arch="llama")
+        engine = nb.Engine(str(model), dtype="float32", num_kv_blocks=64)
+        try:
+            dash = engine.dashboard()
+            engine.generate("Once", nb.SamplingParams(max_tokens=4)).result(timeout=60)
+            wait_until(lambda: "replica 0 (inproc): alive" in dash.replicas.value,
+                       what="the replica line")
+            assert re.search(r"\d+ steps", dash.replicas.value)
+        finally:
+            engine.shutdown()
+        # The final refresh at shutdown shows the core as down.
+        assert "replica 0 (inproc): down" in dash.replicas.value

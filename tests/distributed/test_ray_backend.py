@@ -205,6 +205,7 @@ def test_stop_string_then_immediate_reuse(engine: nb.Engine) -> None:
 
 
 def test_lost_replica_fails_only_its_requests_then_restart(engine: nb.Engine) -> None:
+    dash = engine.dashboard()
     handles = [engine.generate(f"Prompt {i}", long_params(), request_id=f"k{i}") for i in range(4)]
     for h in handles:
         wait_first_token(h)
@@ -224,6 +225,11 @@ def test_lost_replica_fails_only_its_requests_then_restart(engine: nb.Engine) ->
     health = engine.replicas()
     assert [r["alive"] for r in health] == [False, True]
     assert "Replica 0" in (health[0]["error"] or "")
+    deadline = time.monotonic() + WAIT_S  # the dashboard shows the lost replica
+    while not ("replica 0 (ray): down" in dash.replicas.value
+               and "replica 1 (ray): alive" in dash.replicas.value):
+        assert time.monotonic() < deadline, dash.replicas.value
+        time.sleep(0.05)
     for h in survivors:
         assert not h.done()
         n = len(h.token_ids)
