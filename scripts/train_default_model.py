@@ -35,7 +35,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
+from nbengine.dashboard.monitor import in_kernel as _in_kernel
 from nbengine.dashboard.style import badge_html
 from nbengine.request import RequestStatus
 
@@ -177,16 +178,6 @@ def make_handle_widget(handle: RequestHandle, updater: UIUpdater) -> HandleWidge
     if not done:
         updater.add(view)
     return widget
-
-
-def _in_kernel() -> bool:
-    """True inside a Jupyter kernel (where widgets can render)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def handle_mimebundle(handle: RequestHandle, **kwargs: Any) -> dict[str, Any]:

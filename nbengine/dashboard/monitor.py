@@ -37,6 +37,16 @@ logger = logging.getLogger(__name__)
 _preload_started = False
 
 
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel (where widgets can render), not merely with ipykernel imported."""
+    if "IPython" not in sys.modules:  # never import IPython just to ask
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
 def _preload_widget_modules() -> None:
     """In a Jupyter kernel, import the widget modules on a background thread, once.
 
@@ -45,7 +55,7 @@ def _preload_widget_modules() -> None:
     Outside a kernel (scripts, tests) nothing happens.
     """
     global _preload_started
-    if _preload_started or "ipykernel" not in sys.modules:
+    if _preload_started or not in_kernel():
         return
     _preload_started = True
     # pandas is imported here, on the caller's thread, before the preload thread starts:
