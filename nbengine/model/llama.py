@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
+from nbengine.ops.activation import silu_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
 from nbengine.ops.rms_norm import RMSNorm
 from nbengine.ops.rotary import RotaryEmbedding
@@ -125,8 +125,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -138,11 +137,21 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(a)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-        k_cache: torch.Tensor, v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, residual)``: the stream is ``h + residual``, added by the next norm.
+
+        Deferring each residual add to the norm that follows fuses the two (one native
+        pass); the values are those of ``x = x + attn(norm(x)); x = x + mlp(norm(x))``.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, meta, k_cache, v_cache)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -172,9 +181,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x = layer(x, positions, meta, kc, vc)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, meta, kc, vc)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the selected hidden rows."""

@@ -15,6 +15,9 @@ The fast path first writes the new K/V into their slots, then
   gathered through the padded block tables into a ``[B, n_blocks * block_size]`` tensor
   (one contiguous copy per block, not per slot) and a boolean length mask hides the
   padding;
+- or, where the native kernels are available (bfloat16), runs one native kernel
+  (ops/kernels.c) over all decodes that reads K/V blocks where they lie in the cache,
+  through ``decode_block_tables`` and ``decode_seq_lens``;
 - runs one SDPA call per multi-token chunk (prefill): ``is_causal`` on the fresh K/V
   when there is no cached prefix, else an explicit mask over gathered prefix + chunk.
 
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from nbengine.ops import native
 
 
 @dataclass(slots=True)
@@ -71,6 +76,8 @@ class AttentionMetadata:
     num_decodes: int
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillMeta] = field(default_factory=list)
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32, 0-padded
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int32: keys each decode sees
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -116,6 +123,7 @@ def build_attention_metadata(
 
     slot_parts: list[torch.Tensor] = []
     groups: list[DecodeGroup] = []
+    dec_tables = dec_lens = None
     if num_decodes:
         dec = chunks[:num_decodes]
         lens_l = [c.start_pos + 1 for c in dec]
@@ -124,6 +132,10 @@ def build_attention_metadata(
         last = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
                 for t, n in zip(tables, lens_l)]
         slot_parts.append(torch.tensor(last, dtype=torch.int64, device=device))
+        most = max(n_blks)
+        dec_tables = torch.tensor([t + [0] * (most - len(t)) for t in tables], dtype=torch.int32,
+                                  device=device)
+        dec_lens = torch.tensor(lens_l, dtype=torch.int32, device=device)
         for rows in _length_groups(n_blks):
             nb = max(n_blks[i] for i in rows)
             padded = [tables[i] + [0] * (nb - len(tables[i])) for i in rows]
@@ -156,6 +168,8 @@ def build_attention_metadata(
         num_decodes=num_decodes,
         decode_groups=groups,
         prefills=prefills,
+        decode_block_tables=dec_tables,
+        decode_seq_lens=dec_lens,
     )
 
 
@@ -183,12 +197,17 @@ def paged_attention(
     n_tokens, n_heads, hd = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
-    out = torch.empty_like(q)
+    out = torch.empty(n_tokens, n_heads, hd, dtype=q.dtype)
     flat_k = k_cache.view(-1, n_kv, hd)
     flat_v = v_cache.view(-1, n_kv, hd)
 
     nd = meta.num_decodes
-    if nd:
+    kernels = _native_decode(q, k_cache, meta)
+    if nd and kernels is not None:
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                 meta.decode_seq_lens, scale, out[:nd])
+    elif nd:
         block_size = k_cache.shape[1]
         qd_all = q[:nd].reshape(nd, n_kv, group, hd)  # the G heads of a KV head act as G queries
         od_all = out[:nd].view(nd, n_kv, group, hd)
@@ -222,6 +241,20 @@ def paged_attention(
             )
         out[s : s + n] = op[0].transpose(0, 1)
     return out
+
+
+def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+                   ) -> native.NativeKernels | None:
+    """The native kernels if they can run this step's decodes, else None."""
+    if meta.num_decodes == 0 or meta.decode_block_tables is None:
+        return None
+    if not (native.is_bf16_rows(q, k_cache) and k_cache.is_contiguous()
+            and q.stride(1) == q.shape[2]):
+        return None
+    n_heads, n_kv, hd = q.shape[1], k_cache.shape[2], q.shape[2]
+    if not native.NativeKernels.decode_attention_supports(n_heads, n_kv, hd):
+        return None
+    return native.kernels()
 
 
 def paged_attention_ref(

@@ -1,4 +1,14 @@
-"""Linear layers with oneDNN-prepacked bfloat16 weights (CPU fast path).
+"""Linear layers with prepacked bfloat16 weights (CPU fast paths).
+
+Two packings, tried in this order by ``pack_linears``:
+
+``NativeLinear``: nbengine's own kernel (ops/kernels.c via ops/native.py), weights in a
+VNNI layout inside one huge-page ``WeightArena``. It reads the weights of a decode step
+as one sequential stream: measured here (2 threads, SmolLM2-135M shapes, all 30 layers
+plus lm_head, M = 1) 9 ms per step against 15-20 ms for oneDNN's prepacked weights, and it
+is as fast as oneDNN at every batch size up to 512 rows.
+
+``PackedLinear``: oneDNN's prepacked weights, where the native kernels are unavailable.
 
 ``F.linear`` on bfloat16 CPU tensors re-lays the weight out on every call and, for the
 single-row products of decoding, runs a slow path: measured on this project's machine
@@ -22,6 +32,9 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nbengine.ops import native
+from nbengine.ops.arena import WeightArena
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +72,36 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
+class NativeLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` packed for nbengine's native kernel (inference only)."""
+
+    def __init__(self, linear: nn.Linear, kernels: native.NativeKernels,
+                 arena: WeightArena | None = None) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self._kernels = kernels
+        shape = (native.packed_linear_numel(self.out_features, self.in_features),)
+        out = arena.take(shape, torch.bfloat16) if arena is not None else None
+        w = native.pack_linear_weight(linear.weight.detach(), out)
+        self.register_buffer("packed_weight", w, persistent=False)
+        b = linear.bias
+        self.register_buffer("bias", None if b is None else b.detach().contiguous().clone(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+            x2 = x2.to(torch.bfloat16).contiguous()
+        y = self._kernels.linear(x2, self.packed_weight, self.out_features, self.bias)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, native"
+
+
+def _agrees(linear: nn.Linear, packed: nn.Module) -> bool:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, linear.in_features, generator=gen).to(linear.weight.dtype)
     with torch.inference_mode():
@@ -68,28 +110,49 @@ def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
     return bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()) + 1e-6))
 
 
-def pack_linears(model: nn.Module, batch_size_hint: int | None = None) -> int:
-    """Replace every bfloat16 ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many.
+def _bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(parent, name, child)
+            for parent in list(model.modules())
+            for name, child in list(parent.named_children())
+            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
 
-    A layer whose packed product disagrees with ``F.linear`` (or cannot be packed) is left
-    as it is. Tied weights stay tied where they are read as weights (the embedding); the
-    packed copy of a tied ``lm_head`` is a separate buffer.
+
+def pack_linears(model: nn.Module, batch_size_hint: int | None = None) -> int:
+    """Replace every bfloat16 ``nn.Linear`` of ``model`` by a packed one; returns how many.
+
+    ``NativeLinear`` (all weights in one ``WeightArena``) where the native kernels are
+    available, else ``PackedLinear``. A layer whose packed product disagrees with
+    ``F.linear`` (or cannot be packed) is left as it is. Tied weights stay tied where they
+    are read as weights (the embedding); the packed copy of a tied ``lm_head`` is separate.
     """
+    linears = _bf16_linears(model)
+    kernels = native.kernels()
+    if kernels is not None and linears:
+        native_ok = [(p, n, c) for p, n, c in linears if c.in_features % 2 == 0]
+        arena = WeightArena(sum(
+            2 * native.packed_linear_numel(c.out_features, c.in_features) + 64
+            for _, _, c in native_ok))
+        count = 0
+        for parent, name, child in native_ok:
+            packed_native = NativeLinear(child, kernels, arena)
+            if not _agrees(child, packed_native):
+                logger.warning("native %s disagrees with F.linear; keeping nn.Linear", name)
+                continue
+            setattr(parent, name, packed_native)
+            count += 1
+        return count
     if not packed_linear_supported(torch.bfloat16):
         return 0
     count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16:
-                continue
-            try:
-                packed = PackedLinear(child, batch_size_hint)
-            except RuntimeError as exc:
-                logger.info("not packing %s: %s", name, exc)
-                continue
-            if not _agrees(child, packed):
-                logger.warning("packed %s disagrees with F.linear; keeping nn.Linear", name)
-                continue
-            setattr(parent, name, packed)
-            count += 1
+    for parent, name, child in linears:
+        try:
+            packed = PackedLinear(child, batch_size_hint)
+        except RuntimeError as exc:
+            logger.info("not packing %s: %s", name, exc)
+            continue
+        if not _agrees(child, packed):
+            logger.warning("packed %s disagrees with F.linear; keeping nn.Linear", name)
+            continue
+        setattr(parent, name, packed)
+        count += 1
     return count

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nbengine.ops import native
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -116,7 +118,17 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, H, D]`` (e.g. q and k side by side): one pass instead of two."""
+        """Rotate ``x [T, H, D]`` (e.g. q and k side by side): one pass instead of two.
+
+        bfloat16 input whose heads are contiguous (rows may be strided, e.g. a slice of
+        the fused qkv projection) is rotated in place by the native kernel and returned.
+        """
+        if (x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and positions.dtype == torch.int64 and positions.is_contiguous()
+                and self.cos.dtype == torch.float32):
+            k = native.kernels()
+            if k is not None:
+                return k.rotary_(x, positions, self.cos, self.sin)
         cos, sin = self._tables(positions)
         return _rotate(x, cos, sin)
 

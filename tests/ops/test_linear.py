@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nbengine.ops import native
 from nbengine.ops.linear import PackedLinear, pack_linears, packed_linear_supported
 
 needs_pack = pytest.mark.skipif(not packed_linear_supported(torch.bfloat16),
@@ -29,15 +30,21 @@ def test_packed_matches_f_linear(bias: bool, rows: int) -> None:
 
 
 @needs_pack
-def test_pack_linears_replaces_only_bf16_linears() -> None:
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(torch.bfloat16)
-    f32 = nn.Sequential(nn.Linear(16, 8))
-    x = torch.randn(2, 16).to(torch.bfloat16)
-    with torch.inference_mode():
-        before = model(x).float()
-        assert pack_linears(model) == 2
-        after = model(x).float()
-        assert pack_linears(f32) == 0
+def test_pack_linears_falls_back_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NBENGINE_NATIVE", "0")  # the native path: tests/ops/test_native.py
+    native.kernels.cache_clear()
+    try:
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(torch.bfloat16)
+        f32 = nn.Sequential(nn.Linear(16, 8))
+        x = torch.randn(2, 16).to(torch.bfloat16)
+        with torch.inference_mode():
+            before = model(x).float()
+            assert pack_linears(model) == 2
+            after = model(x).float()
+            assert pack_linears(f32) == 0
+    finally:
+        monkeypatch.delenv("NBENGINE_NATIVE")
+        native.kernels.cache_clear()
     assert isinstance(model[0], PackedLinear) and isinstance(f32[0], nn.Linear)
     torch.testing.assert_close(after, before, rtol=1e-2, atol=1e-2)
 

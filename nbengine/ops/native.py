@@ -1,0 +1,252 @@
+"""Native CPU kernels: ``kernels.c``, compiled on first use and called through ctypes.
+
+Why native code: a decode step of a small model is a few hundred tiny operations and a
+stream of weights through matrix-vector products. torch's bfloat16 paths for these
+(``F.linear``, even oneDNN's prepacked ``_linear_pointwise``) read weights at about half
+of the machine's memory bandwidth here, and each torch call costs microseconds of
+dispatch. ``kernels.c`` holds a few kernels written for exactly these shapes.
+
+How: the C file is compiled once per machine with the system C compiler (``cc``, or
+``$CC``) into ``$NBENGINE_CACHE/native/`` (default ``~/.cache/nbengine/native/``), named
+by a hash of the source, the flags and the compiler's version, so a changed file or
+compiler builds anew and concurrent processes never see a half-written library (it is
+written to a temporary name and renamed). ctypes releases the GIL during every call.
+
+When not: the kernels need x86-64 with AVX-512 BF16. Without it, without a compiler, with
+``NBENGINE_NATIVE=0``, or if the build fails, ``kernels()`` returns ``None`` and callers
+keep their torch paths; ``unavailable_reason()`` says why. Every kernel has a plain-torch
+reference it is tested against (tests/ops/test_native.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+CFLAGS = (
+    "-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
+    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
+)
+LIBS = ("-lm",)
+VNNI_TILE = 64  # output features per packed tile (NB_TILE in kernels.c)
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_F32 = ctypes.c_float
+_SIGNATURES: dict[str, list[type]] = {
+    "nb_linear_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT],
+    "nb_rms_norm_bf16": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT],
+    "nb_silu_mul_bf16": [_P, _P, _I64, _I64, _INT],
+    "nb_rotary_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+    "nb_decode_attention_bf16": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                                 _I64, _F32, _INT],
+}
+# Below this many rows (tokens) an elementwise kernel runs on the calling thread alone:
+# waking an OpenMP worker costs more than the work (tens of microseconds when idle
+# workers sleep, as OMP_WAIT_POLICY=PASSIVE makes them).
+SMALL_ROWS = 16
+
+
+class NativeKernels:
+    """The loaded library, with one typed method per kernel (inputs are not copied)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._lib = lib
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = None
+        self._linear = lib.nb_linear_bf16
+        self._rms_norm = lib.nb_rms_norm_bf16
+        self._silu_mul = lib.nb_silu_mul_bf16
+        self._rotary = lib.nb_rotary_bf16
+        self._decode_attention = lib.nb_decode_attention_bf16
+
+    @staticmethod
+    def _threads(rows: int) -> int:
+        return 1 if rows < SMALL_ROWS else torch.get_num_threads()
+
+    def linear(self, x: torch.Tensor, w_packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+               num_threads: int | None = None) -> torch.Tensor:
+        """``x [M, K] @ W.T (+ bias)`` for a ``W [N, K]`` packed by ``pack_linear_weight``.
+
+        ``x`` must be a contiguous bfloat16 matrix with even ``K``; the result is
+        ``[M, N]`` in ``out_dtype`` (bfloat16 or float32).
+        """
+        m, k = x.shape
+        y = torch.empty(m, out_features, dtype=out_dtype)
+        if num_threads is None:
+            # A row or two is one stream of weights that one core reads as fast as two
+            # here, and waking a second OpenMP thread costs more than it saves.
+            num_threads = 1 if m <= 2 else torch.get_num_threads()
+        self._linear(x.data_ptr(), w_packed.data_ptr(),
+                     None if bias is None else bias.data_ptr(), y.data_ptr(),
+                     m, out_features, k, int(out_dtype == torch.float32), num_threads)
+        return y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of ``x [M, H]`` (or of ``x + add``): returns ``(normed, residual)``.
+
+        ``residual`` is ``x + add`` rounded to bfloat16 (``x`` itself when ``add`` is None).
+        All inputs contiguous bfloat16.
+        """
+        m, h = x.shape
+        out = torch.empty_like(x)
+        residual = x if add is None else torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), None if add is None else add.data_ptr(), weight.data_ptr(),
+                       out.data_ptr(), residual.data_ptr(), m, h, eps, self._threads(m))
+        return out, residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(g) * u`` for ``gate_up = [g | u]`` of shape ``[M, 2I]`` (contiguous bf16)."""
+        m, two_i = gate_up.shape
+        out = torch.empty(m, two_i // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, self._threads(m))
+        return out
+
+    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, H, D]`` in place (rows may be strided; heads contiguous)."""
+        t, h, d = x.shape
+        self._rotary(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                     t, h, d, x.stride(0), self._threads(t))
+        return x
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         out: torch.Tensor) -> None:
+        """One-token-per-sequence attention over the paged cache into ``out [B, Hq, D]``.
+
+        ``q [B, Hq, D]`` (rows may be strided), caches ``[blocks, block_size, Hkv, D]``,
+        ``block_tables [B, max_blocks]`` and ``seq_lens [B]`` int32.
+        """
+        b, hq, d = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        keys = int(block_tables.shape[1]) * block_size * b * hkv
+        threads = 1 if keys < 8192 else torch.get_num_threads()
+        self._decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                               block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+                               b, hq, hkv, d, block_size, block_tables.shape[1], scale, threads)
+
+    @staticmethod
+    def decode_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """The kernel's shape limits: head_dim a multiple of 32 up to 128, <= 8 heads per KV head."""
+        return head_dim % 32 == 0 and head_dim <= 128 and num_heads // num_kv_heads <= 8
+
+
+def is_bf16_rows(*tensors: torch.Tensor) -> bool:
+    """True if every tensor is a CPU bfloat16 tensor with a contiguous last dimension."""
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1
+               for t in tensors)
+
+
+def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``W [N, K]`` (bfloat16, K even) in the kernels' VNNI layout ``[ceil(N/64), K/2, 64, 2]``.
+
+    Written into ``out`` when given (e.g. a view of a ``WeightArena``), else a new tensor.
+    """
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"packing needs an even number of input features, got {k}")
+    n_pad = -(-n // VNNI_TILE) * VNNI_TILE
+    padded = torch.zeros(n_pad, k, dtype=weight.dtype)
+    padded[:n] = weight
+    packed = padded.view(n_pad // VNNI_TILE, VNNI_TILE, k // 2, 2).permute(0, 2, 1, 3)
+    if out is None:
+        return packed.contiguous()
+    out.view(packed.shape).copy_(packed)
+    return out
+
+
+def packed_linear_numel(out_features: int, in_features: int) -> int:
+    """Elements of the packed layout of an ``[out_features, in_features]`` weight."""
+    return -(-out_features // VNNI_TILE) * VNNI_TILE * in_features
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot be used here, or ``None`` if they can."""
+    if os.environ.get("NBENGINE_NATIVE", "1") == "0":
+        return "disabled by NBENGINE_NATIVE=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are written for x86-64, this is {platform.machine()}"
+    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if kernels() is None:
+        return "the kernel library could not be built (see the log of nbengine.ops.native)"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def kernels() -> NativeKernels | None:
+    """The native kernels, built on first use; ``None`` where they are unavailable."""
+    if os.environ.get("NBENGINE_NATIVE", "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if any(f not in _cpu_flags() for f in CPU_FLAGS):
+        return None
+    try:
+        path = _build()
+        return NativeKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        logger.warning("nbengine's native kernels are unavailable (%s); using torch ops.", exc)
+        return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("NBENGINE_CACHE") or Path.home() / ".cache" / "nbengine"
+    return Path(root) / "native"
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC", "cc")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(CFLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"nbengine_kernels_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), *LIBS, "-o", tmp],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: other processes see the old name or a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("Built nbengine's native kernels: %s", target)
+    return target
