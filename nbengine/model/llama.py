@@ -22,6 +22,7 @@ from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
 from nbengine.ops.activation import silu_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
+from nbengine.ops.linear import NativeLinear
 from nbengine.ops.rms_norm import RMSNorm
 from nbengine.ops.rotary import RotaryEmbedding
 
@@ -98,7 +99,7 @@ class DecoderAttention(nn.Module):
         k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         if self.q_norm is None:
             # q and k sit side by side in qkv: rotate them in one pass (same elementwise ops).
             qk = qkv[:, : self.q_size + self.kv_size].view(
@@ -114,7 +115,7 @@ class DecoderAttention(nn.Module):
             assert self.k_norm is not None
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return self.o_proj.forward(o.view(n, self.q_size))
 
 
 class SwiGLU(nn.Module):
@@ -125,7 +126,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -146,12 +147,12 @@ class DecoderLayer(nn.Module):
         pass); the values are those of ``x = x + attn(norm(x)); x = x + mlp(norm(x))``.
         """
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm.forward(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, positions, meta, k_cache, v_cache)
+        h = self.self_attn.forward(h, positions, meta, k_cache, v_cache)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,14 +183,19 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        # Layers are called through .forward: nn.Module.__call__ (hooks, which inference
+        # never registers) would add about a millisecond to a 30-layer decode step.
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, meta, kc, vc)
+            x, residual = layer.forward(x, residual, positions, meta, kc, vc)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the selected hidden rows."""
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        if isinstance(head, NativeLinear):  # float32 straight from the kernel's accumulators
+            return head(hidden, out_dtype=torch.float32)
+        return head(hidden).float()
 
     def hf_weight_map(self) -> WeightMap:
         """Our parameter name -> the HF tensors (and row ranges) that make it up."""

@@ -130,6 +130,38 @@ static inline uint16_t nb_f32_to_bf16(float f) {  /* round to nearest even, as t
 
 static inline float nb_round_bf16(float f) { return nb_bf16_to_f32(nb_f32_to_bf16(f)); }
 
+/* Vector helpers: 16 bf16 <-> 16 float32 lanes (masked for row tails). */
+static inline __m512 nb_load16(const uint16_t *p, __mmask16 mk) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+}
+static inline void nb_store16_bf16(uint16_t *p, __mmask16 mk, __m512 v) {
+    _mm256_mask_storeu_epi16(p, mk, (__m256i)_mm512_cvtneps_pbh(v));
+}
+static inline __m512 nb_round16(__m512 v) {  /* round every lane to the nearest bf16 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+static inline __mmask16 nb_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* exp(x) for 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, and a degree-6
+ * polynomial for e^r (relative error ~2e-7, below bf16's resolution by far). */
+static inline __m512 nb_exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* ---- RMSNorm, optionally fused with the residual add ----------------------------------
  *
  * For each row: r = bf16(x + add) when add is given (written to residual_out), else r = x;
@@ -141,22 +173,25 @@ void nb_rms_norm_bf16(const uint16_t *x, const uint16_t *add, const uint16_t *w,
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xr = x + m * H;
-        float buf_small[1024];
-        float *r = H <= 1024 ? buf_small : (float *)malloc(sizeof(float) * H);
-        double ss = 0.0;
-        for (int64_t i = 0; i < H; i++) {
-            float v = nb_bf16_to_f32(xr[i]);
+        const uint16_t *src = xr;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += 16) {
+            const __mmask16 mk = nb_mask(H - i);
+            __m512 v = nb_load16(xr + i, mk);
             if (add) {
-                v = nb_round_bf16(v + nb_bf16_to_f32(add[m * H + i]));
-                residual_out[m * H + i] = nb_f32_to_bf16(v);
+                v = nb_round16(_mm512_add_ps(v, nb_load16(add + m * H + i, mk)));
+                nb_store16_bf16(residual_out + m * H + i, mk, v);
             }
-            r[i] = v;
-            ss += (double)v * v;
+            ss = _mm512_fmadd_ps(v, v, ss);
         }
-        const float inv = 1.0f / sqrtf((float)(ss / (double)H) + eps);
-        for (int64_t i = 0; i < H; i++)
-            out[m * H + i] = nb_f32_to_bf16(nb_bf16_to_f32(w[i]) * nb_round_bf16(r[i] * inv));
-        if (r != buf_small) free(r);
+        if (add) src = residual_out + m * H;
+        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps);
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (int64_t i = 0; i < H; i += 16) {
+            const __mmask16 mk = nb_mask(H - i);
+            const __m512 n = nb_round16(_mm512_mul_ps(nb_load16(src + i, mk), vinv));
+            nb_store16_bf16(out + m * H + i, mk, _mm512_mul_ps(nb_load16(w + i, mk), n));
+        }
     }
 }
 
@@ -165,10 +200,12 @@ void nb_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t M, int64_t
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *g = gate_up + m * 2 * I, *u = g + I;
-        for (int64_t i = 0; i < I; i++) {
-            const float gv = nb_bf16_to_f32(g[i]);
-            const float s = nb_round_bf16(gv / (1.0f + expf(-gv)));
-            out[m * I + i] = nb_f32_to_bf16(s * nb_bf16_to_f32(u[i]));
+        for (int64_t i = 0; i < I; i += 16) {
+            const __mmask16 mk = nb_mask(I - i);
+            const __m512 gv = nb_load16(g + i, mk);
+            const __m512 e = nb_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 s = nb_round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            nb_store16_bf16(out + m * I + i, mk, _mm512_mul_ps(s, nb_load16(u + i, mk)));
         }
     }
 }
@@ -204,56 +241,88 @@ void nb_rotary_bf16(uint16_t *x, const int64_t *positions, const float *cos_t, c
  * together, so each key and value row is read once per sequence and KV head. Scores and
  * softmax in float32 (two passes over the keys), output rounded to bf16. D % 32 == 0.
  */
+/* Ask for one head's rows of a whole KV block ahead of use: blocks lie anywhere in the
+ * cache, so the hardware prefetcher cannot guess the next one. */
+static inline void nb_prefetch_block(const uint16_t *cache, int32_t block, int64_t block_size,
+                                     int64_t row, int64_t off, int64_t D) {
+    const char *base = (const char *)(cache + (int64_t)block * block_size * row + off);
+    for (int64_t o = 0; o < block_size; o++)
+        for (int64_t c = 0; c < D * 2; c += 64) _mm_prefetch(base + o * row * 2 + c, _MM_HINT_T0);
+}
+
 void nb_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                               const uint16_t *v_cache, const int32_t *block_tables,
                               const int32_t *seq_lens, uint16_t *out, int64_t B, int64_t Hq,
                               int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
                               float scale, int nthreads) {
     const int64_t G = Hq / Hkv, dv = D / 16, dk = D / 32;
+    const int64_t row = Hkv * D;  /* elements between consecutive positions of a block */
 #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t L = seq_lens[b];
             const int32_t *table = block_tables + b * max_blocks;
-            float *scores = (float *)malloc(sizeof(float) * G * L);
-            for (int64_t j = 0; j < L; j++) {
-                const uint16_t *kr = k_cache + ((int64_t)table[j / block_size] * block_size
-                                                + j % block_size) * Hkv * D + h * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const uint16_t *qr = q + b * q_stride + (h * G + g) * D;
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < dk; c++)
-                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kr + 32 * c),
-                                               (__m512bh)_mm512_loadu_si512(qr + 32 * c));
-                    scores[g * L + j] = _mm512_reduce_add_ps(acc) * scale;
+            const int64_t Lp = (L + 15) / 16 * 16;
+            float *scores = (float *)malloc(sizeof(float) * G * Lp);
+            __m512bh qv[8][4];  /* [g][d / 32]: G <= 8 and D <= 128 on this path */
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < dk; c++)
+                    qv[g][c] = (__m512bh)_mm512_loadu_si512(q + b * q_stride + (h * G + g) * D + 32 * c);
+            /* Pass 1: scores, walking the block table (no division per key). */
+            for (int64_t j0 = 0; j0 < L; j0 += block_size) {
+                const uint16_t *kb = k_cache + (int64_t)table[j0 / block_size] * block_size * row + h * D;
+                const int64_t n = L - j0 < block_size ? L - j0 : block_size;
+                if (j0 + block_size < L) nb_prefetch_block(k_cache, table[j0 / block_size + 1], block_size, row, h * D, D);
+                for (int64_t o = 0; o < n; o++) {
+                    const uint16_t *kr = kb + o * row;
+                    __m512bh kv[4];
+                    for (int64_t c = 0; c < dk; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), kv[0], qv[g][0]);
+                        for (int64_t c = 1; c < dk; c++) acc = _mm512_dpbf16_ps(acc, kv[c], qv[g][c]);
+                        scores[g * Lp + j0 + o] = _mm512_reduce_add_ps(acc) * scale;
+                    }
                 }
             }
+            /* Softmax per query head, 16 keys at a time. */
             for (int64_t g = 0; g < G; g++) {
-                float *s = scores + g * L, mx = -INFINITY, sum = 0.0f;
-                for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
-                for (int64_t j = 0; j < L; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
-                const float inv = 1.0f / sum;
-                for (int64_t j = 0; j < L; j++) s[j] *= inv;
+                float *sc = scores + g * Lp;
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < L; j += 16)
+                    mx = _mm512_mask_max_ps(mx, nb_mask(L - j), mx, _mm512_loadu_ps(sc + j));
+                const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < L; j += 16) {
+                    const __mmask16 mk = nb_mask(L - j);
+                    const __m512 e = nb_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), vmax));
+                    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+                    _mm512_mask_storeu_ps(sc + j, mk, e);
+                }
+                const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+                for (int64_t j = 0; j < L; j += 16)
+                    _mm512_mask_storeu_ps(sc + j, nb_mask(L - j), _mm512_mul_ps(_mm512_loadu_ps(sc + j), inv));
             }
-            __m512 acc[8][8];  /* [g][d / 16]: G <= 8 and D <= 128 on this path */
+            /* Pass 2: probabilities times values. */
+            __m512 acc[8][8];  /* [g][d / 16] */
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < L; j++) {
-                const uint16_t *vr = v_cache + ((int64_t)table[j / block_size] * block_size
-                                                + j % block_size) * Hkv * D + h * D;
-                __m512 vv[8];
-                for (int64_t c = 0; c < dv; c++)
-                    vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c))), 16));
-                for (int64_t g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(scores[g * L + j]);
-                    for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            for (int64_t j0 = 0; j0 < L; j0 += block_size) {
+                const uint16_t *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row + h * D;
+                const int64_t n = L - j0 < block_size ? L - j0 : block_size;
+                if (j0 + block_size < L) nb_prefetch_block(v_cache, table[j0 / block_size + 1], block_size, row, h * D, D);
+                for (int64_t o = 0; o < n; o++) {
+                    const uint16_t *vr = vb + o * row;
+                    __m512 vv[8];
+                    for (int64_t c = 0; c < dv; c++) vv[c] = nb_load16(vr + 16 * c, 0xffff);
+                    for (int64_t g = 0; g < G; g++) {
+                        const __m512 p = _mm512_set1_ps(scores[g * Lp + j0 + o]);
+                        for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+                    }
                 }
             }
             for (int64_t g = 0; g < G; g++) {
                 uint16_t *o = out + (b * Hq + h * G + g) * D;
-                for (int64_t c = 0; c < dv; c++)
-                    _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[g][c]));
+                for (int64_t c = 0; c < dv; c++) nb_store16_bf16(o + 16 * c, 0xffff, acc[g][c]);
             }
             free(scores);
         }

@@ -88,13 +88,18 @@ class NativeLinear(nn.Module):
         b = linear.bias
         self.register_buffer("bias", None if b is None else b.detach().contiguous().clone(),
                              persistent=False)
+        # Plain attributes for the per-call path (nn.Module.__getattr__ costs ~1 us a lookup).
+        self._w, self._b = self.packed_weight, self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``x [..., in_features]`` -> ``[..., out_features]`` in ``out_dtype`` (bf16 or f32)."""
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():  # the usual case
+            return self._kernels.linear(x, self._w, self.out_features, self._b, out_dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
             x2 = x2.to(torch.bfloat16).contiguous()
-        y = self._kernels.linear(x2, self.packed_weight, self.out_features, self.bias)
+        y = self._kernels.linear(x2, self._w, self.out_features, self._b, out_dtype)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
