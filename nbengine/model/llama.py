@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nbengine.model.decode_plan import DecodePlan, cache_key, build_decode_plan
 from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
 from nbengine.ops.activation import silu_and_mul
@@ -170,6 +171,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.tie_weights()
+        # Decode-only steps run through a DecodePlan where the native kernels can run the
+        # whole stack; set False to force the module path (tests compare the two).
+        self.decode_plans_enabled = True
+        self._plan: DecodePlan | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config ties them."""
@@ -182,6 +187,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
         x = self.embed_tokens(input_ids)
+        if meta.num_decodes == x.shape[0] and self.decode_plans_enabled:
+            plan = self._decode_plan(kv_caches)
+            if plan is not None:  # every layer in one native call (model/decode_plan.py)
+                x, res = plan.run(x, positions, meta)
+                return self.norm.add_forward(x, res)[0]
         residual: torch.Tensor | None = None
         # Layers are called through .forward: nn.Module.__call__ (hooks, which inference
         # never registers) would add about a millisecond to a 30-layer decode step.
@@ -189,6 +199,15 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward(x, residual, positions, meta, kc, vc)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[0]
+
+    def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan | None:
+        plan = self._plan
+        if plan is None or plan.cache_key != cache_key(kv_caches):
+            plan = build_decode_plan(self, kv_caches)
+            if plan is None:
+                self.decode_plans_enabled = False  # this model cannot: stop asking
+            self._plan = plan
+        return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the selected hidden rows."""

@@ -54,6 +54,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "nb_rotary_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "nb_decode_attention_bf16": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                  _I64, _F32, _INT],
+    "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
 }
 # Below this many rows (tokens) an elementwise kernel runs on the calling thread alone:
 # waking an OpenMP worker costs more than the work (tens of microseconds when idle
@@ -76,6 +78,9 @@ class NativeKernels:
         self._silu_mul = lib.nb_silu_mul_bf16
         self._rotary = lib.nb_rotary_bf16
         self._decode_attention = lib.nb_decode_attention_bf16
+        self._argmax = lib.nb_argmax_f32
+        # Raw entry point of the whole-stack decode (model/decode_plan.py builds its arguments).
+        self.decoder_decode = lib.nb_decoder_decode
 
     @staticmethod
     def _threads(rows: int) -> int:
@@ -144,6 +149,13 @@ class NativeKernels:
         self._decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
                                b, hq, hkv, d, block_size, block_tables.shape[1], scale, threads)
+
+    def argmax(self, x: torch.Tensor) -> list[int]:
+        """``x.argmax(dim=-1).tolist()`` for a contiguous float32 ``[N, V]`` (same ties, NaNs)."""
+        n, v = x.shape
+        out = torch.empty(n, dtype=torch.int64)
+        self._argmax(x.data_ptr(), n, v, out.data_ptr(), self._threads(n))
+        return out.tolist()
 
     @staticmethod
     def decode_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -163,3 +163,14 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv("NBENGINE_NATIVE")
         native.kernels.cache_clear()
     assert native.kernels() is not None
+
+
+def test_argmax_matches_torch_including_ties_and_nans() -> None:
+    assert kernels is not None
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(13))
+    x[1, 10] = x[1, 700] = 50.0  # a tie: the first index wins
+    x[2, 999] = 60.0  # in the row's masked tail
+    x[3, 400] = float("nan")
+    x[3, 500] = float("nan")
+    x[4] = float("-inf")
+    assert kernels.argmax(x) == x.argmax(dim=-1).tolist() == [x[0].argmax().item(), 10, 999, 400, 0]

@@ -1,0 +1,116 @@
+"""DecodePlan: a Llama-family decoder stack run by one native call per decode-only step.
+
+The module path (model/llama.py) already runs every bfloat16 operation in a native kernel,
+but between them sit about ten Python calls per layer; for a small model decoding one
+sequence that is a third of the step. For steps in which every scheduled chunk is a
+single token, ``DecodePlan.run`` hands the whole stack to ``nb_decoder_decode``
+(ops/kernels.c), which chains the same kernels in the same order, so the results are
+bit-identical to the module path (tests/model/test_decode_plan.py checks that).
+
+A plan is built once per model and KV cache: it holds raw pointers to the model's packed
+weights and to the cache tensors, which stay alive and in place for the runner's life.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from nbengine.ops import native
+from nbengine.ops.attention import AttentionMetadata
+from nbengine.ops.linear import NativeLinear
+
+if TYPE_CHECKING:
+    from nbengine.model.llama import LlamaForCausalLM
+
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+        "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [
+        *[(name, ctypes.c_int64) for name in (
+            "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim",
+            "block_size")],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("cos", _P), ("sin", _P), ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodePlan:
+    """The native decode path for one model and one set of KV cache tensors."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 kernels: native.NativeKernels) -> None:
+        a = model.args
+        self._fn = kernels.decoder_decode
+        self.cache_key = cache_key(kv_caches)
+        layers = (_Layer * a.num_layers)()
+        for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers[i] = _Layer(
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+                _ptr(attn.qkv_proj._w), _ptr(attn.qkv_proj._b),
+                _ptr(attn.o_proj._w), _ptr(attn.o_proj._b),
+                _ptr(mlp.gate_up_proj._w), _ptr(mlp.gate_up_proj._b),
+                _ptr(mlp.down_proj._w), _ptr(mlp.down_proj._b),
+                _ptr(kc), _ptr(vc),
+            )
+        rot = model.rotary
+        self._layers = layers  # referenced by the struct: keep alive
+        self._decoder = _Decoder(
+            a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+            a.head_dim, kv_caches[0][0].shape[1], model.layers[0].input_layernorm.eps,
+            model.layers[0].self_attn.scale, _ptr(rot.cos), _ptr(rot.sin), layers)
+        self.hidden = a.hidden_size
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` after every layer, from embeddings ``x [B, hidden]`` (overwritten)."""
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        b = x.shape[0]
+        residual = torch.empty_like(x)
+        self._fn(ctypes.byref(self._decoder), x.data_ptr(), residual.data_ptr(),
+                 positions.data_ptr(), meta.slot_mapping.data_ptr(),
+                 meta.decode_block_tables.data_ptr(), meta.decode_seq_lens.data_ptr(),
+                 b, meta.decode_block_tables.shape[1], torch.get_num_threads())
+        return x, residual
+
+
+def cache_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for pair in kv_caches for t in pair)
+
+
+def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> DecodePlan | None:
+    """A plan if every part of ``model`` runs natively (else None: use the module path)."""
+    kernels = native.kernels()
+    a = model.args
+    if kernels is None or a.qk_norm or a.hidden_act != "silu" or not kv_caches:
+        return None
+    if not native.NativeKernels.decode_attention_supports(a.num_heads, a.num_kv_heads, a.head_dim):
+        return None
+    if model.rotary.cos.dtype != torch.float32:
+        return None
+    for layer, (kc, vc) in zip(model.layers, kv_caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if not all(isinstance(m, NativeLinear) for m in linears):
+            return None
+        if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+            return None
+        if not (kc.dtype == vc.dtype == torch.bfloat16 and kc.is_contiguous() and vc.is_contiguous()):
+            return None
+    return DecodePlan(model, kv_caches, kernels)
