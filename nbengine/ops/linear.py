@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -132,20 +133,29 @@ def pack_linears(model: nn.Module, batch_size_hint: int | None = None) -> int:
     """
     linears = _bf16_linears(model)
     kernels = native.kernels()
-    if kernels is not None and linears:
-        native_ok = [(p, n, c) for p, n, c in linears if c.in_features % 2 == 0]
-        arena = WeightArena(sum(
-            2 * native.packed_linear_numel(c.out_features, c.in_features) + 64
-            for _, _, c in native_ok))
-        count = 0
-        for parent, name, child in native_ok:
-            packed_native = NativeLinear(child, kernels, arena)
-            if not _agrees(child, packed_native):
-                logger.warning("native %s disagrees with F.linear; keeping nn.Linear", name)
-                continue
-            setattr(parent, name, packed_native)
-            count += 1
-        return count
+    make: Callable[[nn.Linear], nn.Module]
+    if kernels is not None:
+        linears = [(p, n, c) for p, n, c in linears if c.in_features % 2 == 0]  # kernel's limit
+        arena = WeightArena(sum(2 * native.packed_linear_numel(c.out_features, c.in_features) + 64
+                                for _, _, c in linears))
+        make = lambda lin: NativeLinear(lin, kernels, arena)  # noqa: E731
+    elif packed_linear_supported(torch.bfloat16):
+        make = lambda lin: PackedLinear(lin, batch_size_hint)  # noqa: E731
+    else:
+        return 0
+    count = 0
+    for parent, name, child in linears:
+        try:
+            packed = make(child)
+        except RuntimeError as exc:
+            logger.info("not packing %s: %s", name, exc)
+            continue
+        if not _agrees(child, packed):
+            logger.warning("packed %s disagrees with F.linear; keeping nn.Linear", name)
+            continue
+        setattr(parent, name, packed)
+        count += 1
+    return count
     if not packed_linear_supported(torch.bfloat16):
         return 0
     count = 0
