@@ -9,11 +9,18 @@ bit-identical to the module path (tests/model/test_decode_plan.py checks that).
 
 A plan is built once per model and KV cache: it holds raw pointers to the model's packed
 weights and to the cache tensors, which stay alive and in place for the runner's life.
+
+Threads: with one or two sequences, the kernel splits every weight stream between the
+threads of one parallel region (one core cannot read memory at full speed). That is
+about a third faster on an idle machine and twice as slow when another process holds
+the second core, so ``ThreadChooser`` times both and keeps the faster, re-trying the other
+now and then. Both give the same values (each output is computed by one thread alone).
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,11 +48,36 @@ class _Decoder(ctypes.Structure):
             "block_size")],
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos", _P), ("sin", _P), ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", _P), ("lm_head", _P), ("vocab", ctypes.c_int64),
     ]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+class ThreadChooser:
+    """Picks 1 or ``n`` threads by their recent timings (an exponential moving average),
+    trying the slower choice once every ``probe_every`` calls in case the machine changed."""
+
+    def __init__(self, probe_every: int = 64) -> None:
+        self.probe_every = probe_every
+        self.seconds: dict[int, float] = {}
+        self.calls = 0
+
+    def choose(self, n: int) -> int:
+        if n <= 1:
+            return 1
+        self.calls += 1
+        for option in (n, 1):
+            if option not in self.seconds:
+                return option
+        fast, slow = sorted((n, 1), key=lambda k: self.seconds[k])
+        return slow if self.calls % self.probe_every == 0 else fast
+
+    def record(self, threads: int, seconds: float) -> None:
+        old = self.seconds.get(threads)
+        self.seconds[threads] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
 
 class DecodePlan:
@@ -68,24 +100,50 @@ class DecodePlan:
                 _ptr(kc), _ptr(vc),
             )
         rot = model.rotary
+        head = model.lm_head
+        # The head runs in the plan when it is a native linear without bias (else in Python).
+        self.has_lm_head = (isinstance(head, NativeLinear) and head._b is None
+                            and model.norm.weight.dtype == torch.bfloat16)
         self._layers = layers  # referenced by the struct: keep alive
         self._decoder = _Decoder(
             a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
             a.head_dim, kv_caches[0][0].shape[1], model.layers[0].input_layernorm.eps,
-            model.layers[0].self_attn.scale, _ptr(rot.cos), _ptr(rot.sin), layers)
+            model.layers[0].self_attn.scale, _ptr(rot.cos), _ptr(rot.sin), layers,
+            _ptr(model.norm.weight), _ptr(head._w) if self.has_lm_head else None, a.vocab_size)
         self.hidden = a.hidden_size
+        self.vocab = a.vocab_size
+        self.threads = ThreadChooser()
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, residual)`` after every layer, from embeddings ``x [B, hidden]`` (overwritten)."""
+        residual = torch.empty_like(x)
+        self._call(x, residual, None, positions, meta)
+        return x, residual
+
+    def logits(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+               ) -> torch.Tensor:
+        """float32 logits ``[B, vocab]`` from embeddings ``x`` (needs ``has_lm_head``)."""
+        assert self.has_lm_head
+        logits = torch.empty(x.shape[0], self.vocab, dtype=torch.float32)
+        self._call(x, torch.empty_like(x), logits, positions, meta)
+        return logits
+
+    def _call(self, x: torch.Tensor, residual: torch.Tensor, logits: torch.Tensor | None,
+              positions: torch.Tensor, meta: AttentionMetadata) -> None:
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
         b = x.shape[0]
-        residual = torch.empty_like(x)
+        threads = torch.get_num_threads()
+        small = b <= 2  # the kernel's weight-splitting path (see the module docstring)
+        if small:
+            threads = self.threads.choose(threads)
+        start = time.perf_counter()
         self._fn(ctypes.byref(self._decoder), x.data_ptr(), residual.data_ptr(),
-                 positions.data_ptr(), meta.slot_mapping.data_ptr(),
+                 None if logits is None else logits.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
                  meta.decode_block_tables.data_ptr(), meta.decode_seq_lens.data_ptr(),
-                 b, meta.decode_block_tables.shape[1], torch.get_num_threads())
-        return x, residual
+                 b, meta.decode_block_tables.shape[1], threads)
+        if small:
+            self.threads.record(threads, time.perf_counter() - start)
 
 
 def cache_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:

@@ -200,6 +200,19 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[0]
 
+    def decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor | None:
+        """float32 logits of every row of a decode-only step, from one native call (the
+        layers, the final norm and lm_head); ``None`` where the plan cannot do it."""
+        if meta.num_decodes != input_ids.shape[0] or not self.decode_plans_enabled:
+            return None
+        plan = self._decode_plan(kv_caches)
+        if plan is None or not plan.has_lm_head:
+            return None
+        return plan.logits(self.embed_tokens(input_ids), positions, meta)
+
     def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan | None:
         plan = self._plan
         if plan is None or plan.cache_key != cache_key(kv_caches):

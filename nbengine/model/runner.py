@@ -129,16 +129,19 @@ class ModelRunner:
 
         meta = build_attention_metadata(specs, bs)
         with torch.inference_mode():
-            hidden = self.model(
-                torch.tensor(ids, dtype=torch.int64),
-                torch.tensor(positions, dtype=torch.int64),
-                meta,
-                self.kv_caches,
-            )
-            rows = sample_rows + plp_rows
-            if not rows:  # only intermediate prefill chunks: nothing to sample
-                return out
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
+            input_ids = torch.tensor(ids, dtype=torch.int64)
+            input_pos = torch.tensor(positions, dtype=torch.int64)
+            logits = None
+            decode_logits = getattr(self.model, "decode_logits", None)
+            if decode_logits is not None and len(sample_rows) == meta.num_decodes == len(ids):
+                # Decode-only and every row samples: the model may do it all in one call.
+                logits = decode_logits(input_ids, input_pos, meta, self.kv_caches)
+            if logits is None:
+                hidden = self.model(input_ids, input_pos, meta, self.kv_caches)
+                rows = sample_rows + plp_rows
+                if not rows:  # only intermediate prefill chunks: nothing to sample
+                    return out
+                logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
             n_s = len(sample_rows)
             tokens, lps = self.sampler(logits[:n_s], [c.request for c in sample_chunks])
             for c, tok, lp in zip(sample_chunks, tokens, lps):

@@ -9,6 +9,9 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,79 +43,94 @@ static inline void nb_store16(void *y, int64_t off, int64_t nvalid, __m512 v,
         _mm256_mask_storeu_epi16((uint16_t *)y + off, mk, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-void nb_linear_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias, void *y,
-                    int64_t M, int64_t N, int64_t K, int out_f32, int nthreads) {
+/* Output tile t (64 features) for input rows 4 mt .. 4 mt + 3. */
+static void nb_linear_tile(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
+                           void *y, int64_t M, int64_t N, int64_t K, int out_f32, int64_t t,
+                           int64_t mt) {
     const int64_t pairs = K / 2;
-    const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE;
-    const int64_t mtiles = (M + 3) / 4;
-#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < ntiles; t++) {
-        for (int64_t mt = 0; mt < mtiles; mt++) {
-            const uint16_t *wt = w_packed + t * pairs * NB_TILE * 2;
-            const int64_t n0 = t * NB_TILE, m0 = mt * 4;
-            const int64_t rows = M - m0 < 4 ? M - m0 : 4;
-            const uint16_t *bt = bias ? bias + n0 : 0;
-            if (rows == 4) {
-                __m512 acc[4][4];
-                const uint32_t *xp[4];
-                for (int i = 0; i < 4; i++) {
-                    xp[i] = (const uint32_t *)(x + (m0 + i) * K);
-                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-                }
-                for (int64_t p = 0; p < pairs; p++) {
-                    const uint16_t *wp = wt + p * NB_TILE * 2;
-                    const __m512bh w0 = (__m512bh)_mm512_load_si512(wp);
-                    const __m512bh w1 = (__m512bh)_mm512_load_si512(wp + 32);
-                    const __m512bh w2 = (__m512bh)_mm512_load_si512(wp + 64);
-                    const __m512bh w3 = (__m512bh)_mm512_load_si512(wp + 96);
+    const uint16_t *wt = w_packed + t * pairs * NB_TILE * 2;
+    const int64_t n0 = t * NB_TILE, m0 = mt * 4;
+    const int64_t rows = M - m0 < 4 ? M - m0 : 4;
+    const uint16_t *bt = bias ? bias + n0 : 0;
+    if (rows == 4) {
+        __m512 acc[4][4];
+        const uint32_t *xp[4];
+        for (int i = 0; i < 4; i++) {
+            xp[i] = (const uint32_t *)(x + (m0 + i) * K);
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+        }
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint16_t *wp = wt + p * NB_TILE * 2;
+            const __m512bh w0 = (__m512bh)_mm512_load_si512(wp);
+            const __m512bh w1 = (__m512bh)_mm512_load_si512(wp + 32);
+            const __m512bh w2 = (__m512bh)_mm512_load_si512(wp + 64);
+            const __m512bh w3 = (__m512bh)_mm512_load_si512(wp + 96);
 #pragma GCC unroll 4
-                    for (int i = 0; i < 4; i++) {
-                        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[i][p]);
-                        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
-                        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
-                        acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xb);
-                        acc[i][3] = _mm512_dpbf16_ps(acc[i][3], w3, xb);
-                    }
-                }
-                for (int i = 0; i < 4; i++)
-                    for (int j = 0; j < 4; j++)
-                        nb_store16(y, (m0 + i) * N + n0 + 16 * j, N - n0 - 16 * j, acc[i][j],
-                                   bt ? bt + 16 * j : 0, out_f32);
-            } else {
-                /* One row at a time; even and odd pairs accumulate separately so that two
-                 * independent chains hide the latency of the dot-product instruction. */
-                for (int64_t i = 0; i < rows; i++) {
-                    const uint32_t *xr = (const uint32_t *)(x + (m0 + i) * K);
-                    __m512 acc[2][4];
-                    for (int h = 0; h < 2; h++)
-                        for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
-                    int64_t p = 0;
-                    for (; p + 2 <= pairs; p += 2) {
-#pragma GCC unroll 2
-                        for (int h = 0; h < 2; h++) {
-                            const uint16_t *wp = wt + (p + h) * NB_TILE * 2;
-                            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[p + h]);
-#pragma GCC unroll 4
-                            for (int j = 0; j < 4; j++)
-                                acc[h][j] = _mm512_dpbf16_ps(
-                                    acc[h][j], (__m512bh)_mm512_load_si512(wp + 32 * j), xb);
-                        }
-                    }
-                    for (; p < pairs; p++) {
-                        const uint16_t *wp = wt + p * NB_TILE * 2;
-                        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[p]);
-                        for (int j = 0; j < 4; j++)
-                            acc[0][j] = _mm512_dpbf16_ps(
-                                acc[0][j], (__m512bh)_mm512_load_si512(wp + 32 * j), xb);
-                    }
-                    for (int j = 0; j < 4; j++)
-                        nb_store16(y, (m0 + i) * N + n0 + 16 * j, N - n0 - 16 * j,
-                                   _mm512_add_ps(acc[0][j], acc[1][j]), bt ? bt + 16 * j : 0,
-                                   out_f32);
-                }
+            for (int i = 0; i < 4; i++) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[i][p]);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
+                acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xb);
+                acc[i][3] = _mm512_dpbf16_ps(acc[i][3], w3, xb);
             }
         }
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++)
+                nb_store16(y, (m0 + i) * N + n0 + 16 * j, N - n0 - 16 * j, acc[i][j],
+                           bt ? bt + 16 * j : 0, out_f32);
+    } else {
+        /* One row at a time; even and odd pairs accumulate separately so that two
+         * independent chains hide the latency of the dot-product instruction. */
+        for (int64_t i = 0; i < rows; i++) {
+            const uint32_t *xr = (const uint32_t *)(x + (m0 + i) * K);
+            __m512 acc[2][4];
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
+            int64_t p = 0;
+            for (; p + 2 <= pairs; p += 2) {
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const uint16_t *wp = wt + (p + h) * NB_TILE * 2;
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[p + h]);
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++)
+                        acc[h][j] = _mm512_dpbf16_ps(
+                            acc[h][j], (__m512bh)_mm512_load_si512(wp + 32 * j), xb);
+                }
+            }
+            for (; p < pairs; p++) {
+                const uint16_t *wp = wt + p * NB_TILE * 2;
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[p]);
+                for (int j = 0; j < 4; j++)
+                    acc[0][j] = _mm512_dpbf16_ps(
+                        acc[0][j], (__m512bh)_mm512_load_si512(wp + 32 * j), xb);
+            }
+            for (int j = 0; j < 4; j++)
+                nb_store16(y, (m0 + i) * N + n0 + 16 * j, N - n0 - 16 * j,
+                           _mm512_add_ps(acc[0][j], acc[1][j]), bt ? bt + 16 * j : 0,
+                           out_f32);
+        }
     }
+}
+
+void nb_linear_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias, void *y,
+                    int64_t M, int64_t N, int64_t K, int out_f32, int nthreads) {
+    const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE, mtiles = (M + 3) / 4;
+#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < ntiles; t++)
+        for (int64_t mt = 0; mt < mtiles; mt++)
+            nb_linear_tile(x, w_packed, bias, y, M, N, K, out_f32, t, mt);
+}
+
+/* This thread's share (of `nt`) of the output tiles, for every row: used inside a
+ * parallel region that the caller already runs (see nb_decoder_decode). */
+static void nb_linear_share(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
+                            void *y, int64_t M, int64_t N, int64_t K, int out_f32, int tid, int nt) {
+    const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE, mtiles = (M + 3) / 4;
+    const int64_t begin = ntiles * tid / nt, end = ntiles * (tid + 1) / nt;
+    for (int64_t t = begin; t < end; t++)
+        for (int64_t mt = 0; mt < mtiles; mt++)
+            nb_linear_tile(x, w_packed, bias, y, M, N, K, out_f32, t, mt);
 }
 
 /* ---- small helpers ------------------------------------------------------------------ */
@@ -338,7 +356,8 @@ void nb_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
  * kernels, which is a third of a batch-1 decode step of a small model.
  *
  * In: x = the token embeddings [B, H]. Out: x and residual such that the final hidden
- * state is norm(x + residual), which the caller computes with nb_rms_norm_bf16.
+ * state is norm(x + residual). With `logits` given, the call goes on to that norm and the
+ * language-model head, writing float32 logits [B, vocab] (residual then holds x + residual).
  */
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [H] */
@@ -351,45 +370,131 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin;  /* [max_positions, D / 2] */
     const nb_layer *layers;
+    const uint16_t *final_norm, *lm_head;  /* [H]; packed [vocab, H], no bias */
+    int64_t vocab;
 } nb_decoder;
 
-static inline int nb_rows_threads(int64_t rows, int nthreads) { return rows < 16 ? 1 : nthreads; }
+/* A spinning barrier for the threads of one parallel region. libgomp's own barrier
+ * sleeps at once under OMP_WAIT_POLICY=PASSIVE (which nbengine sets), and a futex
+ * wake-up costs tens of microseconds here: too much eight times per layer. Spinning is
+ * cheap while the team is busy; after a while a waiter yields the core, so a
+ * descheduled partner on a loaded machine costs a time slice, not a livelock. */
+typedef struct {
+    atomic_int arrived;
+    atomic_int phase;
+    int n;
+} nb_barrier;
 
-void nb_decoder_decode(const nb_decoder *m, uint16_t *x, uint16_t *residual,
-                       const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
-                       const int32_t *seq_lens, int64_t B, int64_t max_blocks, int nthreads) {
+static void nb_barrier_wait(nb_barrier *b) {
+    const int phase = atomic_load_explicit(&b->phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->n - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
+        return;
+    }
+    for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
+        _mm_pause();
+        if (spins > 20000) { sched_yield(); spins = 0; }
+    }
+}
+
+/* The layers, as run by thread `tid` of a team of `nt`. nt == 1: one thread runs every
+ * step and each kernel uses the thread counts given. nt > 1 (inside a parallel region of
+ * nt threads): the linears, which stream the weights, are split by output tiles across
+ * the team, the small steps run on thread 0, and barriers order them. */
+static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residual,
+                              const int64_t *positions, const int64_t *slots,
+                              const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
+                              int64_t max_blocks, uint16_t *h, uint16_t *qkv, uint16_t *attn,
+                              uint16_t *gu, uint16_t *act, float *logits, int tid, int nt,
+                              nb_barrier *bar, int lin_threads, int row_threads, int attn_threads) {
     const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
     const int64_t Hq = m->num_heads, Hkv = m->num_kv_heads;
     const int64_t nqkv = (Hq + 2 * Hkv) * D;
-    const int lin_threads = B <= 2 ? 1 : nthreads;  /* as NativeKernels.linear */
-    const int row_threads = nb_rows_threads(B, nthreads);
-    const int attn_threads = max_blocks * m->block_size * B * Hkv < 8192 ? 1 : nthreads;
-    uint16_t *h = (uint16_t *)aligned_alloc(64, ((B * H * 2 + 63) / 64) * 64);
-    uint16_t *qkv = (uint16_t *)aligned_alloc(64, ((B * nqkv * 2 + 63) / 64) * 64);
-    uint16_t *attn = (uint16_t *)aligned_alloc(64, ((B * Hq * D * 2 + 63) / 64) * 64);
-    uint16_t *gu = (uint16_t *)aligned_alloc(64, ((B * 2 * I * 2 + 63) / 64) * 64);
-    uint16_t *act = (uint16_t *)aligned_alloc(64, ((B * I * 2 + 63) / 64) * 64);
+#define NB_SYNC() do { if (nt > 1) nb_barrier_wait(bar); } while (0)
+#define NB_LINEAR(in, w, b, out, N, K)                                                    \
+    do {                                                                                  \
+        if (nt > 1) nb_linear_share(in, w, b, out, B, N, K, 0, tid, nt);                   \
+        else nb_linear_bf16(in, w, b, out, B, N, K, 0, lin_threads);                       \
+    } while (0)
     for (int64_t l = 0; l < m->num_layers; l++) {
         const nb_layer *L = m->layers + l;
-        if (l == 0) {
-            memcpy(residual, x, (size_t)(B * H * 2));
-            nb_rms_norm_bf16(x, 0, L->input_norm, h, 0, B, H, m->eps, row_threads);
-        } else {
-            nb_rms_norm_bf16(x, residual, L->input_norm, h, residual, B, H, m->eps, row_threads);
+        if (tid == 0) {
+            if (l == 0) {
+                memcpy(residual, x, (size_t)(B * H * 2));
+                nb_rms_norm_bf16(x, 0, L->input_norm, h, 0, B, H, m->eps, row_threads);
+            } else {
+                nb_rms_norm_bf16(x, residual, L->input_norm, h, residual, B, H, m->eps, row_threads);
+            }
         }
-        nb_linear_bf16(h, L->qkv, L->qkv_bias, qkv, B, nqkv, H, 0, lin_threads);
-        nb_rotary_bf16(qkv, positions, m->cos, m->sin, B, Hq + Hkv, D, nqkv, row_threads);
-        for (int64_t b = 0; b < B; b++) {  /* the new K/V into their cache slots */
-            memcpy(L->k_cache + slots[b] * Hkv * D, qkv + b * nqkv + Hq * D, (size_t)(Hkv * D * 2));
-            memcpy(L->v_cache + slots[b] * Hkv * D, qkv + b * nqkv + (Hq + Hkv) * D, (size_t)(Hkv * D * 2));
+        NB_SYNC();
+        NB_LINEAR(h, L->qkv, L->qkv_bias, qkv, nqkv, H);
+        NB_SYNC();
+        if (tid == 0) {
+            nb_rotary_bf16(qkv, positions, m->cos, m->sin, B, Hq + Hkv, D, nqkv, row_threads);
+            for (int64_t b = 0; b < B; b++) {  /* the new K/V into their cache slots */
+                memcpy(L->k_cache + slots[b] * Hkv * D, qkv + b * nqkv + Hq * D, (size_t)(Hkv * D * 2));
+                memcpy(L->v_cache + slots[b] * Hkv * D, qkv + b * nqkv + (Hq + Hkv) * D,
+                       (size_t)(Hkv * D * 2));
+            }
+            nb_decode_attention_bf16(qkv, nqkv, L->k_cache, L->v_cache, block_tables, seq_lens,
+                                     attn, B, Hq, Hkv, D, m->block_size, max_blocks, m->scale,
+                                     attn_threads);
         }
-        nb_decode_attention_bf16(qkv, nqkv, L->k_cache, L->v_cache, block_tables, seq_lens, attn,
-                                 B, Hq, Hkv, D, m->block_size, max_blocks, m->scale, attn_threads);
-        nb_linear_bf16(attn, L->o, L->o_bias, x, B, H, Hq * D, 0, lin_threads);
-        nb_rms_norm_bf16(x, residual, L->post_norm, h, residual, B, H, m->eps, row_threads);
-        nb_linear_bf16(h, L->gate_up, L->gate_up_bias, gu, B, 2 * I, H, 0, lin_threads);
-        nb_silu_mul_bf16(gu, act, B, I, row_threads);
-        nb_linear_bf16(act, L->down, L->down_bias, x, B, H, I, 0, lin_threads);
+        NB_SYNC();
+        NB_LINEAR(attn, L->o, L->o_bias, x, H, Hq * D);
+        NB_SYNC();
+        if (tid == 0)
+            nb_rms_norm_bf16(x, residual, L->post_norm, h, residual, B, H, m->eps, row_threads);
+        NB_SYNC();
+        NB_LINEAR(h, L->gate_up, L->gate_up_bias, gu, 2 * I, H);
+        NB_SYNC();
+        if (tid == 0) nb_silu_mul_bf16(gu, act, B, I, row_threads);
+        NB_SYNC();
+        NB_LINEAR(act, L->down, L->down_bias, x, H, I);
+        NB_SYNC();
+    }
+    if (logits) {
+        if (tid == 0) nb_rms_norm_bf16(x, residual, m->final_norm, h, residual, B, H, m->eps, row_threads);
+        NB_SYNC();
+        if (nt > 1) nb_linear_share(h, m->lm_head, 0, logits, B, m->vocab, H, 1, tid, nt);
+        else nb_linear_bf16(h, m->lm_head, 0, logits, B, m->vocab, H, 1, lin_threads);
+    }
+#undef NB_LINEAR
+#undef NB_SYNC
+}
+
+void nb_decoder_decode(const nb_decoder *m, uint16_t *x, uint16_t *residual, float *logits,
+                       const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                       const int32_t *seq_lens, int64_t B, int64_t max_blocks, int nthreads) {
+    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
+    const int64_t nqkv = (m->num_heads + 2 * m->num_kv_heads) * D;
+    uint16_t *h = (uint16_t *)aligned_alloc(64, ((B * H * 2 + 63) / 64) * 64);
+    uint16_t *qkv = (uint16_t *)aligned_alloc(64, ((B * nqkv * 2 + 63) / 64) * 64);
+    uint16_t *attn = (uint16_t *)aligned_alloc(64, ((B * m->num_heads * D * 2 + 63) / 64) * 64);
+    uint16_t *gu = (uint16_t *)aligned_alloc(64, ((B * 2 * I * 2 + 63) / 64) * 64);
+    uint16_t *act = (uint16_t *)aligned_alloc(64, ((B * I * 2 + 63) / 64) * 64);
+    if (B <= 2 && nthreads > 1) {
+        /* One or two rows: every linear is a stream of weights that one core cannot read
+         * at the memory's full speed. One parallel region for the whole stack (a single
+         * wake-up of the team), the weights split between its threads. */
+        nb_barrier bar;
+        atomic_init(&bar.arrived, 0);
+        atomic_init(&bar.phase, 0);
+#pragma omp parallel num_threads(nthreads)
+        {
+#pragma omp single
+            bar.n = omp_get_num_threads();  /* the implicit barrier publishes it */
+            nb_decoder_layers(m, x, residual, positions, slots, block_tables, seq_lens, B,
+                              max_blocks, h, qkv, attn, gu, act, logits, omp_get_thread_num(),
+                              bar.n, &bar, 1, 1, 1);
+        }
+    } else {
+        const int row_threads = B < 16 ? 1 : nthreads;  /* as NativeKernels._threads */
+        const int attn_threads = max_blocks * m->block_size * B * m->num_kv_heads < 8192 ? 1 : nthreads;
+        nb_decoder_layers(m, x, residual, positions, slots, block_tables, seq_lens, B,
+                          max_blocks, h, qkv, attn, gu, act, logits, 0, 1, 0,
+                          B <= 2 ? 1 : nthreads, row_threads, attn_threads);
     }
     free(h); free(qkv); free(attn); free(gu); free(act);
 }

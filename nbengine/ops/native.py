@@ -54,7 +54,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "nb_rotary_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "nb_decode_attention_bf16": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                  _I64, _F32, _INT],
-    "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
 }
 # Below this many rows (tokens) an elementwise kernel runs on the calling thread alone:

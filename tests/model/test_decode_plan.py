@@ -60,3 +60,18 @@ def test_decode_plan_matches_module_path(tmp_path: Path, arch: str, threads: int
     assert used and not used_modular, "the plan ran only where enabled"
     assert len(fused) == 20 and sum(map(len, fused.values())) > 100
     assert fused == modular
+
+
+def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
+    from nbengine.model.decode_plan import ThreadChooser
+
+    chooser = ThreadChooser(probe_every=4)
+    assert chooser.choose(1) == 1  # nothing to choose on one thread
+    first, second = chooser.choose(2), None
+    chooser.record(first, 0.010)
+    second = chooser.choose(2)
+    assert {first, second} == {1, 2}, "both are timed before either is preferred"
+    chooser.record(second, 0.020 if second == 2 else 0.005)
+    fast = 1 if second == 1 else first
+    picks = [chooser.choose(2) for _ in range(8)]
+    assert picks.count(fast) == 6 and len(set(picks)) == 2, picks
