@@ -75,3 +75,29 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
     fast = 1 if second == 1 else first
     picks = [chooser.choose(2) for _ in range(8)]
     assert picks.count(fast) == 6 and len(set(picks)) == 2, picks
+
+
+def test_single_sequence_split_across_threads_matches(tmp_path: Path) -> None:
+    # One sequence on two threads takes the kernel's weight-splitting path; the chooser
+    # tries both thread counts first, so both paths produce tokens here.
+    path = make_tiny_model(tmp_path / "m", "llama", hidden_size=128, intermediate_size=192,
+                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                           weight_std=0.05)
+    results = []
+    for plans in (True, False):
+        torch.set_num_threads(2)
+        core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
+        core.runner.model.decode_plans_enabled = plans
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+        core.add_request(EngineCoreRequest("one", [5, 6, 7], params, time.time()))
+        got = []
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                got += [(t, {k: v.logprob for k, v in lp.items()})
+                        for t, lp in zip(out.new_token_ids, out.new_logprobs or [])]
+        plan = core.runner.model._plan
+        if plans:
+            assert plan is not None and set(plan.threads.seconds) == {1, 2}
+        results.append(got)
+        core.shutdown()
+    assert len(results[0]) == 12 and results[0] == results[1]
