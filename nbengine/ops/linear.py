@@ -156,18 +156,3 @@ def pack_linears(model: nn.Module, batch_size_hint: int | None = None) -> int:
         setattr(parent, name, packed)
         count += 1
     return count
-    if not packed_linear_supported(torch.bfloat16):
-        return 0
-    count = 0
-    for parent, name, child in linears:
-        try:
-            packed = PackedLinear(child, batch_size_hint)
-        except RuntimeError as exc:
-            logger.info("not packing %s: %s", name, exc)
-            continue
-        if not _agrees(child, packed):
-            logger.warning("packed %s disagrees with F.linear; keeping nn.Linear", name)
-            continue
-        setattr(parent, name, packed)
-        count += 1
-    return count
