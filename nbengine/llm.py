@@ -80,7 +80,7 @@ class LLM:
             final_params.append(sp)
         # Validate everything first, so a bad prompt leaves no request behind.
         prepared = [
-            self.engine._prepare(p, sp, None, 0) for p, sp in zip(prompt_list, final_params)
+            self.engine._inputs.prepare(p, sp, None, 0) for p, sp in zip(prompt_list, final_params)
         ]
         done_q: queue.Queue[int] = queue.Queue()
         handles: list[RequestHandle] = []

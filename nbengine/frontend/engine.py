@@ -2,7 +2,7 @@
 
 Threads:
 
-- the caller's thread(s): ``generate()`` validates there, then registers the request
+- the caller's thread(s): ``generate()`` validates there (``InputProcessor``), then registers the request
   on the loop with one short ``portal.call``;
 - ``nbengine-loop``: an anyio blocking portal (asyncio backend) that owns all frontend
   state (the ``OutputProcessor`` registry, event hooks). Only this thread mutates it and
@@ -44,6 +44,7 @@ from nbengine.dashboard.monitor import EngineMonitor
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
 from nbengine.frontend.events import LifecycleEvent
 from nbengine.frontend.handles import RequestHandle, _make_async_waiter
+from nbengine.frontend.input_processor import InputProcessor, PreparedRequest
 from nbengine.frontend.output_processor import ChildState, LiveRequest, OutputProcessor
 from nbengine.outputs import RequestMetrics, RequestOutput
 from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError
@@ -134,27 +135,6 @@ def _boxed(fn: Callable[..., T], *args: Any) -> tuple[T]:
     return (fn(*args),)
 
 
-class _Prepared:
-    """A validated request, ready to register (built on the caller's thread)."""
-
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "priority", "arrival")
-
-    def __init__(
-        self,
-        request_id: str | None,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.priority = priority
-        self.arrival = time.monotonic()
-
-
 class Engine:
     """An LLM engine running on background threads of this process.
 
@@ -197,6 +177,7 @@ class Engine:
             self._core_queue: queue.Queue[EngineCoreMessage] = self._client.queue  # type: ignore[attr-defined]
         self._vocab_size = int(self._client.vocab_size)
         self._max_model_len = int(self._client.max_model_len)
+        self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len)
         self._eos_token_ids = frozenset(self._client.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ())
         )
@@ -316,7 +297,7 @@ class Engine:
     def _send_abort(self, keys: list[str]) -> None:
         self._client.send(EngineCoreMessage(MessageType.ABORT, list(keys)))
 
-    def _register(self, prep: _Prepared) -> RequestHandle:
+    def _register(self, prep: PreparedRequest) -> RequestHandle:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         requests = self._processor.requests
@@ -457,65 +438,6 @@ class Engine:
 
     # ------------------------------------------------------------- public API
 
-    def _prepare(
-        self,
-        prompt: str | Sequence[int],
-        sampling_params: SamplingParams | None,
-        request_id: str | None,
-        priority: int,
-    ) -> _Prepared:
-        """Validate one request on the caller's thread (raises; leaves no state)."""
-        if request_id is not None and not isinstance(request_id, str):
-            raise TypeError(
-                f"request_id must be a string, got {type(request_id).__name__} {request_id!r}."
-            )
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        elif not isinstance(sampling_params, SamplingParams):
-            raise TypeError(
-                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
-            )
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {priority!r}.")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(sampling_params, name)
-            if k is not None and k > self._vocab_size:
-                raise ValueError(
-                    f"{name}={k} asks for more log-probabilities than the model's "
-                    f"vocabulary of {self._vocab_size} tokens."
-                )
-        text: str | None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("The prompt is empty; give at least one character or token.")
-            text = prompt
-            ids = list(self.tokenizer.encode(prompt))
-            if not ids:
-                raise ValueError(f"The prompt {prompt!r} encodes to no tokens.")
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-            text = None
-            ids = list(prompt)
-            if not ids:
-                raise ValueError("The prompt is empty; give at least one character or token.")
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise TypeError(f"Prompt token ids must be ints, got {t!r}.")
-                if not 0 <= t < self._vocab_size:
-                    raise ValueError(
-                        f"Prompt token id {t} is outside the model's vocabulary "
-                        f"(0..{self._vocab_size - 1})."
-                    )
-        else:
-            raise TypeError(
-                f"prompt must be a str or a list of token ids, got {type(prompt).__name__}."
-            )
-        if len(ids) > self._max_model_len:
-            raise ValueError(
-                f"The prompt has {len(ids)} tokens, more than max_model_len="
-                f"{self._max_model_len}."
-            )
-        return _Prepared(request_id, text, ids, sampling_params, priority)
-
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -533,7 +455,7 @@ class Engine:
             raise EngineDeadError(self._dead or "The engine has been shut down.")
         if not self._client.is_alive():  # died without its failure reaching the loop
             raise EngineDeadError("The engine core thread is gone.")
-        prep = self._prepare(prompt, sampling_params, request_id, priority)
+        prep = self._inputs.prepare(prompt, sampling_params, request_id, priority)
         return self._call_on_loop(self._register, prep)
 
     def _normalise_ids(self, request_ids: str | Iterable[str]) -> tuple[list[str], bool]:

@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 from jupyter_client.manager import KernelManager
 
-from .conftest import ENGINE_KW
+from nbengine.testing import make_tiny_model
+
+from .conftest import ENGINE_KW, TINY
 
 pytestmark = pytest.mark.slow
 CELL_TIMEOUT = 120.0
@@ -158,14 +160,23 @@ def test_memory_returns_after_shutdown(kernel: Kernel) -> None:
     assert kernel.json("engine_threads()") == []
 
 
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 64k-token context: a request that cannot finish by length
+    before an interrupt lands, however slowly a loaded machine delivers it (the engine
+    keeps generating while the cell sleeps)."""
+    cfg = {**TINY, "max_position_embeddings": 1 << 16}
+    return make_tiny_model(tmp_path_factory.mktemp("long") / "llama", arch="llama", **cfg)
+
+
 @pytest.mark.parametrize("where", ["in the handle's wait", "in the loop body"])
 def test_interrupt_during_sync_iteration_aborts_with_confirmation(
-    kernel: Kernel, where: str
+    kernel: Kernel, long_model: Path, where: str
 ) -> None:
     # In the loop body, the interrupt hits user code while the handle's iterator is
     # merely suspended; the kernel hook must still cancel the request.
     body_sleep = "        time.sleep(30)\n" if where == "in the loop body" else ""
-    kernel.run("eng = nb.Engine(MODEL, **KW)")
+    kernel.run(f"eng = nb.Engine({str(long_model)!r}, num_kv_blocks=8192, block_size=8)")
     msg_id = kernel.kc.execute(
         "import time\n"
         "h = eng.generate('Once upon', nb.SamplingParams(max_tokens=100000, ignore_eos=True),"

@@ -1,0 +1,97 @@
+"""InputProcessor: validates and tokenizes a ``generate()`` call on the caller's thread.
+
+Everything a caller can get wrong is checked here, before anything is registered: the
+request id's type, the sampling parameters, the priority, the prompt (a non-empty str,
+or non-empty token ids inside the vocabulary) and its length against ``max_model_len``.
+A bad call raises ``TypeError``/``ValueError`` naming the problem and leaves no state
+behind; a good one becomes a ``PreparedRequest`` that the loop thread registers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbengine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request, ready to register (built on the caller's thread)."""
+
+    request_id: str | None  # None: the engine picks one
+    prompt: str | None  # the text, when the prompt was given as text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class InputProcessor:
+    """Turns a prompt and its parameters into a ``PreparedRequest`` (or raises)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+    ) -> PreparedRequest:
+        """Validate one request (raises; leaves no state)."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(
+                f"request_id must be a string, got {type(request_id).__name__} {request_id!r}."
+            )
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
+            )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sampling_params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(
+                    f"{name}={k} asks for more log-probabilities than the model's "
+                    f"vocabulary of {self.vocab_size} tokens."
+                )
+        text: str | None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("The prompt is empty; give at least one character or token.")
+            text = prompt
+            ids = list(self.tokenizer.encode(prompt))
+            if not ids:
+                raise ValueError(f"The prompt {prompt!r} encodes to no tokens.")
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            text = None
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("The prompt is empty; give at least one character or token.")
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise TypeError(f"Prompt token ids must be ints, got {t!r}.")
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(
+                        f"Prompt token id {t} is outside the model's vocabulary "
+                        f"(0..{self.vocab_size - 1})."
+                    )
+        else:
+            raise TypeError(
+                f"prompt must be a str or a list of token ids, got {type(prompt).__name__}."
+            )
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(ids)} tokens, more than max_model_len="
+                f"{self.max_model_len}."
+            )
+        return PreparedRequest(request_id, text, ids, sampling_params, priority)
