@@ -85,6 +85,7 @@ STEP_COLUMNS: tuple[str, ...] = (
     "waiting",
     "preemptions",
     "prefix_cache_hit_rate",
+    "replica",
 )
 
 
@@ -238,6 +239,7 @@ class MetricsLog:
         self._lock = threading.Lock()
         self._events: deque[EventRecord] = deque(maxlen=max_events)
         self._steps: deque[StepStats] = deque(maxlen=max_steps)
+        self._latest_by_replica: dict[int, StepStats] = {}
         self._requests: OrderedDict[str, RequestSummary] = OrderedDict()
         self._max_requests = max_requests
         self._max_itl = max_itl_samples
@@ -369,6 +371,7 @@ class MetricsLog:
         """Record one engine step."""
         with self._lock:
             self._steps.append(stats)
+            self._latest_by_replica[stats.replica] = stats
             self._version += 1
 
     # ------------------------------------------------------------------ readers
@@ -433,6 +436,12 @@ class MetricsLog:
     def latest_step(self) -> StepStats | None:
         with self._lock:
             return self._steps[-1] if self._steps else None
+
+    def latest_steps(self) -> dict[int, StepStats]:
+        """Each engine core's (replica's) most recent step: with several replicas, their
+        KV caches are separate and together make the engine's."""
+        with self._lock:
+            return dict(self._latest_by_replica)
 
     def event_records(self) -> list[EventRecord]:
         """Every held event, oldest first."""
@@ -512,9 +521,10 @@ class MetricsLog:
             data["prefix_cache_hit_rate"].append(
                 s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
             )
+            data["replica"].append(s.replica)
         df = pd.DataFrame(data, columns=list(STEP_COLUMNS))
         int_cols = ("step", "batch_size", "prefill_tokens", "decode_tokens", "kv_blocks_used",
-                    "kv_blocks_total", "running", "waiting", "preemptions")
+                    "kv_blocks_total", "running", "waiting", "preemptions", "replica")
         for c in int_cols:
             df[c] = df[c].astype("int64")
         for c in ("time", "elapsed", "kv_usage", "step_time", "prefix_cache_hit_rate"):

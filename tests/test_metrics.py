@@ -127,6 +127,21 @@ def test_step_stats_columns_and_derived_values() -> None:
     assert df["prefix_cache_hit_rate"].tolist() == [0.0, 0.25]
     assert df["running"].tolist() == [1, 2] and df["waiting"].tolist() == [0, 1]
     assert df["prefill_tokens"].tolist() == [4, 0]
+    assert df["replica"].tolist() == [0, 0]
+
+
+def test_latest_step_per_replica() -> None:
+    # Two data-parallel cores step in turn: each keeps its own latest figures, which the
+    # dashboard adds up (separate KV caches), and step_stats() says which core ran a step.
+    log = MetricsLog()
+    for i, (replica, used) in enumerate([(0, 2), (1, 5), (0, 3)]):
+        st = _step(i, 1.0 + i / 10, used=used, total=8)
+        st.replica = replica
+        log.on_step(st)
+    latest = log.latest_steps()
+    assert sorted(latest) == [0, 1]
+    assert latest[0].kv_blocks_used == 3 and latest[1].kv_blocks_used == 5
+    assert log.step_stats()["replica"].tolist() == [0, 1, 0]
 
 
 def test_empty_frames_have_columns() -> None:

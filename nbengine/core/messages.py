@@ -99,6 +99,7 @@ class StepStats:
     prefix_cache_queries: int  # cumulative, in tokens
     prefix_cache_hits: int  # cumulative, in tokens
     num_preemptions: int  # in this step
+    replica: int = 0  # the engine core that ran it (data-parallel replica; 0 in-process)
 
 
 @dataclass(slots=True)

@@ -235,18 +235,22 @@ class DashboardView:
         self._set(row.cancel.layout, "visibility", "hidden" if finished else "visible")
 
     def _refresh_kv(self) -> None:
-        st = self.monitor.metrics.latest_step()
-        if st is None:
+        # Every replica's latest step: their caches are separate and add up.
+        latest = list(self.monitor.metrics.latest_steps().values())
+        if not latest:
             self._set(self.dash.kv_label, "value", "no steps yet")
             return
-        total = max(st.kv_blocks_total, 1)
-        hit = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
+        used = sum(st.kv_blocks_used for st in latest)
+        blocks = sum(st.kv_blocks_total for st in latest)
+        queries = sum(st.prefix_cache_queries for st in latest)
+        hit = sum(st.prefix_cache_hits for st in latest) / queries if queries else 0.0
+        total = max(blocks, 1)
         self._set(self.dash.kv_bar, "max", total)
-        self._set(self.dash.kv_bar, "value", min(st.kv_blocks_used, total))
+        self._set(self.dash.kv_bar, "value", min(used, total))
         self._set(
             self.dash.kv_label, "value",
-            f"{st.kv_blocks_used} / {st.kv_blocks_total} blocks "
-            f"({100 * st.kv_blocks_used / total:.0f}%) · prefix-cache hit rate {100 * hit:.0f}%",
+            f"{used} / {blocks} blocks "
+            f"({100 * used / total:.0f}%) · prefix-cache hit rate {100 * hit:.0f}%",
         )
 
     def _refresh_replicas(self) -> None:

@@ -299,6 +299,7 @@ class RayCoreClient(CoreClient):
                     return
                 rep.batches += 1
                 if batch.step is not None:
+                    batch.step.replica = rep.index  # the actor's core numbers itself 0
                     rep.steps += 1
                     self.router.on_step(rep.index, batch.step)
                 if batch.finished:

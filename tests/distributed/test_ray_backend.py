@@ -84,6 +84,7 @@ def test_replicas_on_both_nodes_and_greedy_matches_inproc(engine: nb.Engine, tin
     assert sorted(where) == [0, 0, 0, 0, 1, 1, 1, 1]  # least loaded: spread evenly
     stats = engine.request_stats()
     assert stats["replica"].tolist()[-8:] == where  # which replica served each request
+    assert set(engine.step_stats()["replica"]) == {0, 1}  # and which ran each step
     with nb.Engine(str(tiny_model), **ENGINE_KW) as local:
         ref = [local.generate(p, params).result(timeout=WAIT_S) for p in prompts]
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
