@@ -6,6 +6,8 @@ replica-loss test runs last and ends by restarting the lost replica.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -301,6 +303,27 @@ def test_engine_dies_when_its_last_replica_is_lost(ray_cluster: Any, tiny_model:
     finally:
         eng.shutdown()
     assert ray.is_initialized()
+
+
+def test_attach_to_a_running_cluster_by_address(ray_cluster: Any, tiny_model: Path) -> None:
+    # A separate driver (as a notebook would be) joins the running cluster by address,
+    # serves a request, and its shutdown leaves the cluster (and its own Ray client) up.
+    script = (
+        "import nbengine as nb, ray\n"
+        f"eng = nb.Engine({str(tiny_model)!r}, backend='ray', data_parallel_size=1,"
+        f" ray_address={ray_cluster.address!r}, resources_per_replica={{'num_cpus': 0}},"
+        f" **{ENGINE_KW!r})\n"
+        "out = eng.generate('Hello', nb.SamplingParams(max_tokens=3, ignore_eos=True))"
+        ".result(timeout=120)\n"
+        "nodes = len([n for n in ray.nodes() if n['Alive']])\n"
+        "eng.shutdown()\n"
+        "print('RESULT', len(out.outputs[0].token_ids), nodes, ray.is_initialized())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT 3 2 True" in proc.stdout, proc.stdout[-2000:]
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # the cluster is still up
 
 
 def test_backend_arguments_are_checked(ray_cluster: Any, tiny_model: Path) -> None:
