@@ -21,6 +21,16 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
+# The shape the engine-level test suites share: small enough that a step takes about a
+# millisecond, with grouped-query attention (4 query heads over 2 KV heads).
+TINY_LLAMA: dict[str, int] = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 _CORPUS = """\
 Once upon a time, in a small village at the edge of a great forest, there lived a girl
 named Lily. Every morning she walked to the river to fetch water, and every evening she

@@ -8,16 +8,9 @@ from pathlib import Path
 import pytest
 
 import nbengine as nb
-from nbengine.testing import make_tiny_model
+from nbengine.testing import TINY_LLAMA, make_tiny_model
 
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-)
+TINY = {**TINY_LLAMA, "max_position_embeddings": 4096}
 ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
 
 

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import nbengine as nb
 from nbengine.model.tokenizer import Tokenizer
+from nbengine.testing import TINY_LLAMA
 
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=8192,
-)
+TINY = {**TINY_LLAMA, "max_position_embeddings": 8192}
 ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
 
 

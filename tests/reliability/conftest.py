@@ -18,18 +18,11 @@ import pytest
 
 import nbengine as nb
 from nbengine.core.messages import EngineCoreMessage, MessageType
-from nbengine.testing import make_tiny_model
+from nbengine.testing import TINY_LLAMA, make_tiny_model
 
 T = TypeVar("T")
 
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-)
+TINY = {**TINY_LLAMA, "max_position_embeddings": 1024}
 ENGINE_KW: dict[str, Any] = dict(
     num_kv_blocks=256, block_size=8, max_num_seqs=32, max_num_batched_tokens=256
 )
