@@ -131,7 +131,7 @@ class DecodePlan:
 
     def _call(self, x: torch.Tensor, residual: torch.Tensor, logits: torch.Tensor | None,
               positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        assert meta.token_block_tables is not None and meta.token_seq_lens is not None
         b = x.shape[0]
         threads = torch.get_num_threads()
         small = b <= 2  # the kernel's weight-splitting path (see the module docstring)
@@ -140,8 +140,8 @@ class DecodePlan:
         start = time.perf_counter()
         self._fn(ctypes.byref(self._decoder), x.data_ptr(), residual.data_ptr(),
                  None if logits is None else logits.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
-                 meta.decode_block_tables.data_ptr(), meta.decode_seq_lens.data_ptr(),
-                 b, meta.decode_block_tables.shape[1], threads)
+                 meta.token_block_tables.data_ptr(), meta.token_seq_lens.data_ptr(),
+                 b, meta.token_block_tables.shape[1], threads)
         if small:
             self.threads.record(threads, time.perf_counter() - start)
 
@@ -157,7 +157,7 @@ def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tenso
     a = model.args
     if kernels is None or a.qk_norm or a.hidden_act != "silu" or not kv_caches:
         return None
-    if not native.NativeKernels.decode_attention_supports(a.num_heads, a.num_kv_heads, a.head_dim):
+    if not native.NativeKernels.cached_attention_supports(a.num_heads, a.num_kv_heads, a.head_dim):
         return None
     if model.rotary.cos.dtype != torch.float32:
         return None

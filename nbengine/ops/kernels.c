@@ -252,13 +252,16 @@ void nb_rotary_bf16(uint16_t *x, const int64_t *positions, const float *cos_t, c
     }
 }
 
-/* ---- Decode attention over the paged KV cache, reading blocks in place ----------------
+/* ---- Attention over the paged KV cache, reading blocks in place ----------------------
  *
- * One query token per sequence. q: [B, Hq, D] with row stride q_stride; caches:
- * [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]
- * (keys 0..len-1 are attended). The G = Hq / Hkv query heads of one KV head are done
- * together, so each key and value row is read once per sequence and KV head. Scores and
- * softmax in float32 (two passes over the keys), output rounded to bf16. D % 32 == 0.
+ * Row b of q is one query token that attends to keys 0 .. seq_lens[b] - 1 of the sequence
+ * whose blocks block_tables[b] lists: a decode, or one token of a prefill chunk (whose own
+ * K/V are already in the cache; its seq_len is its position + 1, which makes it causal).
+ * q: [B, Hq, D] with row stride q_stride; caches: [num_blocks, block_size, Hkv, D];
+ * block_tables: [B, max_blocks] int32; seq_lens: [B] int32. The G = Hq / Hkv query heads
+ * of one KV head are done together, so each key and value row is read once per row and KV
+ * head. Scores and softmax in float32 (two passes over the keys), output rounded to bf16.
+ * D % 32 == 0, D <= 128, G <= 8.
  */
 /* Ask for one head's rows of a whole KV block ahead of use: blocks lie anywhere in the
  * cache, so the hardware prefetcher cannot guess the next one. */
@@ -269,7 +272,7 @@ static inline void nb_prefetch_block(const uint16_t *cache, int32_t block, int64
         for (int64_t c = 0; c < D * 2; c += 64) _mm_prefetch(base + o * row * 2 + c, _MM_HINT_T0);
 }
 
-void nb_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                               const uint16_t *v_cache, const int32_t *block_tables,
                               const int32_t *seq_lens, uint16_t *out, int64_t B, int64_t Hq,
                               int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
@@ -437,7 +440,7 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
                 memcpy(L->v_cache + slots[b] * Hkv * D, qkv + b * nqkv + (Hq + Hkv) * D,
                        (size_t)(Hkv * D * 2));
             }
-            nb_decode_attention_bf16(qkv, nqkv, L->k_cache, L->v_cache, block_tables, seq_lens,
+            nb_cached_attention_bf16(qkv, nqkv, L->k_cache, L->v_cache, block_tables, seq_lens,
                                      attn, B, Hq, Hkv, D, m->block_size, max_blocks, m->scale,
                                      attn_threads);
         }

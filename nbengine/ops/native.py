@@ -52,7 +52,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "nb_rms_norm_bf16": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "nb_silu_mul_bf16": [_P, _P, _I64, _I64, _INT],
     "nb_rotary_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
-    "nb_decode_attention_bf16": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
+    "nb_cached_attention_bf16": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                  _I64, _F32, _INT],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
@@ -77,7 +77,7 @@ class NativeKernels:
         self._rms_norm = lib.nb_rms_norm_bf16
         self._silu_mul = lib.nb_silu_mul_bf16
         self._rotary = lib.nb_rotary_bf16
-        self._decode_attention = lib.nb_decode_attention_bf16
+        self._cached_attention = lib.nb_cached_attention_bf16
         self._argmax = lib.nb_argmax_f32
         # Raw entry point of the whole-stack decode (model/decode_plan.py builds its arguments).
         self.decoder_decode = lib.nb_decoder_decode
@@ -134,11 +134,13 @@ class NativeKernels:
                      t, h, d, x.stride(0), self._threads(t))
         return x
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def cached_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          out: torch.Tensor) -> None:
-        """One-token-per-sequence attention over the paged cache into ``out [B, Hq, D]``.
+        """Attention of ``B`` query tokens over the paged cache into ``out [B, Hq, D]``.
 
+        Row ``b`` attends to the first ``seq_lens[b]`` keys of the blocks in
+        ``block_tables[b]`` (a decode, or a prefill token whose K/V are already written).
         ``q [B, Hq, D]`` (rows may be strided), caches ``[blocks, block_size, Hkv, D]``,
         ``block_tables [B, max_blocks]`` and ``seq_lens [B]`` int32.
         """
@@ -146,7 +148,7 @@ class NativeKernels:
         _, block_size, hkv, _ = k_cache.shape
         keys = int(block_tables.shape[1]) * block_size * b * hkv
         threads = 1 if keys < 8192 else torch.get_num_threads()
-        self._decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        self._cached_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
                                b, hq, hkv, d, block_size, block_tables.shape[1], scale, threads)
 
@@ -158,7 +160,7 @@ class NativeKernels:
         return out.tolist()
 
     @staticmethod
-    def decode_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    def cached_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """The kernel's shape limits: head_dim a multiple of 32 up to 128, <= 8 heads per KV head."""
         return head_dim % 32 == 0 and head_dim <= 128 and num_heads // num_kv_heads <= 8
 

@@ -18,6 +18,7 @@ from torch import nn
 from nbengine.ops import native
 from nbengine.ops.activation import silu_and_mul, silu_and_mul_ref
 from nbengine.ops.arena import WeightArena
+from nbengine.ops import attention
 from nbengine.ops.attention import (
     ChunkSpec,
     build_attention_metadata,
@@ -120,8 +121,13 @@ def test_rotary_in_place_on_a_strided_slice() -> None:
     assert torch.equal(qkv[:, 6 * 64 :], v_before), "the v columns are untouched"
 
 
+@pytest.mark.parametrize("prefill_limit", [1024, 8])
 @pytest.mark.parametrize("seed", range(5))
-def test_decode_attention_reads_blocks_in_place(seed: int) -> None:
+def test_attention_reads_blocks_in_place(seed: int, prefill_limit: int,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # prefill_limit 8: prefill chunks count as long, so the native kernel does the decodes
+    # and SDPA the prefills, in the same step.
+    monkeypatch.setattr(attention, "NATIVE_PREFILL_MAX_KEYS", prefill_limit)
     rng = random.Random(seed)
     n_kv = rng.choice([1, 2, 3])
     n_heads = n_kv * rng.choice([1, 3, 4])
@@ -145,7 +151,7 @@ def test_decode_attention_reads_blocks_in_place(seed: int) -> None:
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     want = paged_attention_ref(q, k, v, kc1, vc1, chunks, scale)
     meta = build_attention_metadata(chunks, block_size)
-    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    assert meta.token_block_tables is not None and meta.token_seq_lens is not None
     got = paged_attention(q, k, v, kc2, vc2, meta, scale)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
