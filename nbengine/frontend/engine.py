@@ -2,8 +2,8 @@
 
 Threads:
 
-- the caller's thread(s): ``generate()`` validates there (``InputProcessor``), then registers the request
-  on the loop with one short ``portal.call``;
+- the caller's thread(s): ``generate()`` validates there (``InputProcessor``), then
+  registers the request on the loop with one short ``portal.call``;
 - ``nbengine-loop``: an anyio blocking portal (asyncio backend) that owns all frontend
   state (the ``OutputProcessor`` registry, event hooks). Only this thread mutates it and
   only this thread puts ADD/ABORT messages on the core queue, so the queue order always

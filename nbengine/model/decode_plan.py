@@ -52,10 +52,6 @@ class _Decoder(ctypes.Structure):
     ]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class ThreadChooser:
     """Picks 1 or ``n`` threads by their recent timings (an exponential moving average),
     trying the slower choice once every ``probe_every`` calls in case the machine changed."""
@@ -88,16 +84,26 @@ class DecodePlan:
         a = model.args
         self._fn = kernels.decoder_decode
         self.cache_key = cache_key(kv_caches)
+        # Every tensor the C structs point into is also held here, so a parameter replaced
+        # on the model later cannot leave the plan pointing at freed memory.
+        self._tensors: list[torch.Tensor] = []
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            self._tensors.append(t)
+            return t.data_ptr()
+
         layers = (_Layer * a.num_layers)()
         for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             layers[i] = _Layer(
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _ptr(attn.qkv_proj._w), _ptr(attn.qkv_proj._b),
-                _ptr(attn.o_proj._w), _ptr(attn.o_proj._b),
-                _ptr(mlp.gate_up_proj._w), _ptr(mlp.gate_up_proj._b),
-                _ptr(mlp.down_proj._w), _ptr(mlp.down_proj._b),
-                _ptr(kc), _ptr(vc),
+                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+                ptr(attn.qkv_proj._w), ptr(attn.qkv_proj._b),
+                ptr(attn.o_proj._w), ptr(attn.o_proj._b),
+                ptr(mlp.gate_up_proj._w), ptr(mlp.gate_up_proj._b),
+                ptr(mlp.down_proj._w), ptr(mlp.down_proj._b),
+                ptr(kc), ptr(vc),
             )
         rot = model.rotary
         head = model.lm_head
@@ -108,8 +114,8 @@ class DecodePlan:
         self._decoder = _Decoder(
             a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
             a.head_dim, kv_caches[0][0].shape[1], model.layers[0].input_layernorm.eps,
-            model.layers[0].self_attn.scale, _ptr(rot.cos), _ptr(rot.sin), layers,
-            _ptr(model.norm.weight), _ptr(head._w) if self.has_lm_head else None, a.vocab_size)
+            model.layers[0].self_attn.scale, ptr(rot.cos), ptr(rot.sin), layers,
+            ptr(model.norm.weight), ptr(head._w) if self.has_lm_head else None, a.vocab_size)
         self.hidden = a.hidden_size
         self.vocab = a.vocab_size
         self.threads = ThreadChooser()
@@ -132,6 +138,7 @@ class DecodePlan:
     def _call(self, x: torch.Tensor, residual: torch.Tensor, logits: torch.Tensor | None,
               positions: torch.Tensor, meta: AttentionMetadata) -> None:
         assert meta.token_block_tables is not None and meta.token_seq_lens is not None
+        assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[1] == self.hidden
         b = x.shape[0]
         threads = torch.get_num_threads()
         small = b <= 2  # the kernel's weight-splitting path (see the module docstring)
@@ -139,7 +146,8 @@ class DecodePlan:
             threads = self.threads.choose(threads)
         start = time.perf_counter()
         self._fn(ctypes.byref(self._decoder), x.data_ptr(), residual.data_ptr(),
-                 None if logits is None else logits.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
+                 None if logits is None else logits.data_ptr(), positions.data_ptr(),
+                 meta.slot_mapping.data_ptr(),
                  meta.token_block_tables.data_ptr(), meta.token_seq_lens.data_ptr(),
                  b, meta.token_block_tables.shape[1], threads)
         if small:
