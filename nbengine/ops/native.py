@@ -97,8 +97,9 @@ class NativeKernels:
         m, k = x.shape
         y = torch.empty(m, out_features, dtype=out_dtype)
         if num_threads is None:
-            # A row or two is one stream of weights that one core reads as fast as two
-            # here, and waking a second OpenMP thread costs more than it saves.
+            # A row or two is a stream of weights: splitting one layer's stream saves less
+            # than waking a sleeping OpenMP worker costs (OMP_WAIT_POLICY=PASSIVE). The
+            # decode plan splits a whole step's weights inside one parallel region instead.
             num_threads = 1 if m <= 2 else torch.get_num_threads()
         self._linear(x.data_ptr(), w_packed.data_ptr(),
                      None if bias is None else bias.data_ptr(), y.data_ptr(),
