@@ -72,15 +72,57 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Step-wide attention inputs. Invariant: the first ``num_decodes`` tokens are the
-    single-token chunks, one token each; the prefill chunks follow in order."""
+    """Step-wide attention inputs, built once per step and shared by all layers.
 
+    The slot mapping is built at once (every path writes K/V first). What each attention
+    path reads (``decode_groups`` and ``prefills`` for the SDPA path, the per-token
+    ``token_block_tables``/``token_seq_lens`` for the native kernel) is built the first
+    time it is asked for, so a step pays only for the path it takes.
+
+    Invariant: the first ``num_decodes`` chunks are single-token decodes; the prefill
+    chunks follow in order.
+    """
+
+    chunks: Sequence[ChunkSpec]
+    block_size: int
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     num_decodes: int
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    prefills: list[PrefillMeta] = field(default_factory=list)
-    token_block_tables: torch.Tensor | None = None  # [T, max_blocks] int32: each token's blocks
-    token_seq_lens: torch.Tensor | None = None  # [T] int32: keys each token sees (position + 1)
+    device: torch.device | str = "cpu"
+    _decode_groups: list[DecodeGroup] | None = field(default=None, init=False, repr=False)
+    _prefills: list[PrefillMeta] | None = field(default=None, init=False, repr=False)
+    _token_tables: tuple[torch.Tensor | None, torch.Tensor | None] | None = field(
+        default=None, init=False, repr=False)
+
+    @property
+    def decode_groups(self) -> list[DecodeGroup]:
+        """The decodes, grouped by similar context length (SDPA path)."""
+        if self._decode_groups is None:
+            self._decode_groups = _decode_groups(self.chunks[: self.num_decodes],
+                                                 self.block_size, self.device)
+        return self._decode_groups
+
+    @property
+    def prefills(self) -> list[PrefillMeta]:
+        """Per prefill chunk: its query rows and cached context (SDPA path)."""
+        if self._prefills is None:
+            self._prefills = _prefill_metas(self.chunks, self.num_decodes, self.block_size,
+                                            self.device)
+        return self._prefills
+
+    @property
+    def token_block_tables(self) -> torch.Tensor | None:
+        """[T, max_blocks] int32: each token's block table (native path; None if no chunks)."""
+        return self._tables()[0]
+
+    @property
+    def token_seq_lens(self) -> torch.Tensor | None:
+        """[T] int32: the keys each token sees, its position + 1 (native path)."""
+        return self._tables()[1]
+
+    def _tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self._token_tables is None:
+            self._token_tables = _token_tables(self.chunks, self.block_size, self.device)
+        return self._token_tables
 
 
 # Longest context (cached + new tokens) whose prefill chunk runs in the native kernel;
@@ -135,10 +177,10 @@ def _token_tables(chunks: Sequence[ChunkSpec], block_size: int, device: torch.de
 def build_attention_metadata(
     chunks: Sequence[ChunkSpec], block_size: int, device: torch.device | str = "cpu"
 ) -> AttentionMetadata:
-    """Build the metadata for ``chunks`` in flattened order (single-token chunks first).
+    """The metadata for ``chunks`` in flattened order (single-token chunks first).
 
-    Work is vectorised per chunk (no Python loop over positions); decode gather tables
-    come from one padded block-table tensor.
+    Builds the slot mapping now; the per-path inputs are built on first use (see
+    ``AttentionMetadata``).
     """
     num_decodes = 0
     for c in chunks:
@@ -150,51 +192,60 @@ def build_attention_metadata(
         assert len(c.block_table) * block_size >= c.start_pos + c.num_tokens, "block table too short"
 
     slot_parts: list[torch.Tensor] = []
-    groups: list[DecodeGroup] = []
     if num_decodes:
-        dec = chunks[:num_decodes]
-        lens_l = [c.start_pos + 1 for c in dec]
-        n_blks = [(n + block_size - 1) // block_size for n in lens_l]
-        tables = [list(c.block_table[:nb]) for c, nb in zip(dec, n_blks)]
-        last = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
-                for t, n in zip(tables, lens_l)]
+        last = [c.block_table[c.start_pos // block_size] * block_size + c.start_pos % block_size
+                for c in chunks[:num_decodes]]
         slot_parts.append(torch.tensor(last, dtype=torch.int64, device=device))
-        for rows in _length_groups(n_blks):
-            nb = max(n_blks[i] for i in rows)
-            padded = [tables[i] + [0] * (nb - len(tables[i])) for i in rows]
-            lens = torch.tensor([lens_l[i] for i in rows], dtype=torch.int64, device=device)
-            pos = torch.arange(nb * block_size, dtype=torch.int64, device=device)
-            groups.append(DecodeGroup(
-                rows=torch.tensor(rows, dtype=torch.int64, device=device),
-                block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
-                mask=(pos[None, :] < lens[:, None])[:, None, None, :],
-            ))
+    for c in chunks[num_decodes:]:
+        table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
+        new = torch.arange(c.start_pos, c.start_pos + c.num_tokens, dtype=torch.int64,
+                           device=device)
+        slot_parts.append(_slots(table, new, block_size))
+    slot_mapping = (torch.cat(slot_parts) if slot_parts
+                    else torch.empty(0, dtype=torch.int64, device=device))
+    return AttentionMetadata(chunks, block_size, slot_mapping, num_decodes, device)
 
+
+def _decode_groups(decodes: Sequence[ChunkSpec], block_size: int, device: torch.device | str
+                   ) -> list[DecodeGroup]:
+    """Decodes grouped by similar context length, with padded block tables and masks."""
+    lens_l = [c.start_pos + 1 for c in decodes]
+    n_blks = [(n + block_size - 1) // block_size for n in lens_l]
+    tables = [list(c.block_table[:nb]) for c, nb in zip(decodes, n_blks)]
+    groups: list[DecodeGroup] = []
+    if not decodes:
+        return groups
+    for rows in _length_groups(n_blks):
+        nb = max(n_blks[i] for i in rows)
+        padded = [tables[i] + [0] * (nb - len(tables[i])) for i in rows]
+        lens = torch.tensor([lens_l[i] for i in rows], dtype=torch.int64, device=device)
+        pos = torch.arange(nb * block_size, dtype=torch.int64, device=device)
+        groups.append(DecodeGroup(
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+            mask=(pos[None, :] < lens[:, None])[:, None, None, :],
+        ))
+    return groups
+
+
+def _prefill_metas(chunks: Sequence[ChunkSpec], num_decodes: int, block_size: int,
+                   device: torch.device | str) -> list[PrefillMeta]:
+    """Per prefill chunk: where its queries are and, over a cached prefix, the slots of its
+    whole context and the causal mask over it."""
     prefills: list[PrefillMeta] = []
     q_start = num_decodes
     for c in chunks[num_decodes:]:
-        total = c.start_pos + c.num_tokens
-        table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
-        ctx = _slots(table, torch.arange(total, dtype=torch.int64, device=device), block_size)
-        slot_parts.append(ctx[c.start_pos:])
         ctx_slots = mask = None
         if c.start_pos > 0:
-            ctx_slots = ctx
+            total = c.start_pos + c.num_tokens
+            table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
+            ctx_slots = _slots(table, torch.arange(total, dtype=torch.int64, device=device),
+                               block_size)
             # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
             mask = torch.ones(c.num_tokens, total, dtype=torch.bool, device=device).tril(c.start_pos)
         prefills.append(PrefillMeta(q_start, c.num_tokens, c.start_pos, ctx_slots, mask))
         q_start += c.num_tokens
-    slot_mapping = (torch.cat(slot_parts) if slot_parts
-                    else torch.empty(0, dtype=torch.int64, device=device))
-    token_tables, token_lens = _token_tables(chunks, block_size, device)
-    return AttentionMetadata(
-        slot_mapping=slot_mapping,
-        num_decodes=num_decodes,
-        decode_groups=groups,
-        prefills=prefills,
-        token_block_tables=token_tables,
-        token_seq_lens=token_lens,
-    )
+    return prefills
 
 
 def write_kv(
@@ -230,8 +281,8 @@ def paged_attention(
     if kernels is not None:
         # Decodes, and prefill chunks over short contexts, in one call. Past
         # NATIVE_PREFILL_MAX_KEYS keys SDPA's matmuls beat re-reading the keys per query.
-        long_prefill = any(pf.start_pos + pf.num_tokens > NATIVE_PREFILL_MAX_KEYS
-                           for pf in meta.prefills)
+        long_prefill = any(c.start_pos + c.num_tokens > NATIVE_PREFILL_MAX_KEYS
+                           for c in meta.chunks[nd:])
         rows = nd if long_prefill else n_tokens
         assert meta.token_block_tables is not None and meta.token_seq_lens is not None
         if rows:
