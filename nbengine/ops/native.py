@@ -197,6 +197,14 @@ def packed_linear_numel(out_features: int, in_features: int) -> int:
 
 def unavailable_reason() -> str | None:
     """Why the native kernels cannot be used here, or ``None`` if they can."""
+    reason = _unsupported()
+    if reason is None and kernels() is None:
+        return "the kernel library could not be built (see the log of nbengine.ops.native)"
+    return reason
+
+
+def _unsupported() -> str | None:
+    """Why this process or CPU rules the kernels out before any build, or None."""
     if os.environ.get("NBENGINE_NATIVE", "1") == "0":
         return "disabled by NBENGINE_NATIVE=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -204,19 +212,13 @@ def unavailable_reason() -> str | None:
     missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    if kernels() is None:
-        return "the kernel library could not be built (see the log of nbengine.ops.native)"
     return None
 
 
 @functools.lru_cache(maxsize=1)
 def kernels() -> NativeKernels | None:
     """The native kernels, built on first use; ``None`` where they are unavailable."""
-    if os.environ.get("NBENGINE_NATIVE", "1") == "0":
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    if any(f not in _cpu_flags() for f in CPU_FLAGS):
+    if _unsupported() is not None:
         return None
     try:
         path = _build()
