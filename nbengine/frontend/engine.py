@@ -508,18 +508,24 @@ class Engine:
         results = [None if f is None else await self._await_future(f) for f in futures]
         return results[0] if single else results
 
+    def _abort_future(self, handle: RequestHandle) -> Future[RequestOutput] | None:
+        """Start aborting ``handle``'s request on the loop; None if there is nothing to
+        wait for (its final output is in, or the engine is dead)."""
+        if handle._final is not None:
+            return None
+        try:
+            return self._call_on_loop(self._start_abort_handle, handle)
+        except EngineDeadError:
+            return None
+
     def _abort_handle(self, handle: RequestHandle, timeout: float | None) -> RequestOutput | None:
         if handle._final is None and self._on_engine_thread():
             self._abort_handle_nowait(handle)  # never block the engine's own threads
             return handle._final
-        if handle._final is None:
-            try:
-                fut = self._call_on_loop(self._start_abort_handle, handle)
-            except EngineDeadError:
-                fut = None
-            if fut is not None:
-                deadline = None if timeout is None else time.monotonic() + timeout
-                return self._wait_future(fut, deadline, f"cancel of {handle.request_id!r}")
+        fut = self._abort_future(handle)
+        if fut is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return self._wait_future(fut, deadline, f"cancel of {handle.request_id!r}")
         return handle._final
 
     def _abort_handle_nowait(self, handle: RequestHandle) -> None:
@@ -527,13 +533,9 @@ class Engine:
             self._call_soon(self._start_abort_handle, handle)
 
     async def _abort_handle_async(self, handle: RequestHandle) -> RequestOutput | None:
-        if handle._final is None:
-            try:
-                fut = self._call_on_loop(self._start_abort_handle, handle)
-            except EngineDeadError:
-                fut = None
-            if fut is not None:
-                return await self._await_future(fut)
+        fut = self._abort_future(handle)
+        if fut is not None:
+            return await self._await_future(fut)
         return handle._final
 
     def has_unfinished_requests(self) -> bool:
