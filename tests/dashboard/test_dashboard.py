@@ -79,6 +79,23 @@ def test_kv_usage_and_charts_show_engine_activity(engine: nb.Engine) -> None:
     assert dash._repr_mimebundle_()["text/plain"] == "Dashboard()"
 
 
+def test_kv_bar_adds_up_every_replicas_latest_step(fresh_engine: nb.Engine) -> None:
+    # With data-parallel replicas each core has its own KV cache: the bar shows their sum,
+    # not whichever replica stepped last. Two replicas' steps are fed to the metrics log.
+    from nbengine.core.messages import StepStats
+
+    dash = fresh_engine.dashboard()
+    for replica, used in ((0, 3), (1, 5)):
+        fresh_engine._monitor.metrics.on_step(StepStats(
+            step=1, start_time=0.0, duration_s=0.01, num_requests=1, num_prefill_tokens=0,
+            num_decode_tokens=1, num_running=1, num_waiting=0, kv_blocks_used=used,
+            kv_blocks_total=10, prefix_cache_queries=4, prefix_cache_hits=1 + replica,
+            num_preemptions=0, replica=replica))
+    wait_until(lambda: "8 / 20 blocks" in dash.kv_label.value, what="the summed KV label")
+    assert dash.kv_bar.max == 20 and dash.kv_bar.value == 8
+    assert "prefix-cache hit rate 38%" in dash.kv_label.value  # (1 + 2) / (4 + 4)
+
+
 def test_replica_health_line_shows_the_core_and_its_death() -> None:
     from nbengine.testing import make_tiny_model
     import tempfile
