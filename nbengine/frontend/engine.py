@@ -43,7 +43,8 @@ from nbengine.frontend.core_client import CoreClient, fail_keys, make_core_clien
 from nbengine.dashboard.monitor import EngineMonitor
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
 from nbengine.frontend.events import LifecycleEvent
-from nbengine.frontend.handles import RequestHandle, _make_async_waiter
+from nbengine.frontend.handles import RequestHandle
+from nbengine.frontend.waiter import make_async_waiter
 from nbengine.frontend.input_processor import InputProcessor, PreparedRequest
 from nbengine.frontend.output_processor import ChildState, LiveRequest, OutputProcessor
 from nbengine.outputs import RequestMetrics, RequestOutput
@@ -429,7 +430,7 @@ class Engine:
 
     async def _await_future(self, fut: Future[T]) -> T:
         while not fut.done():
-            wake, wait = _make_async_waiter()
+            wake, wait = make_async_waiter()
             fut.add_done_callback(lambda _f: wake())
             await wait(0.25)
             if not fut.done():

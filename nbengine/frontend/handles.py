@@ -16,15 +16,15 @@ CUMULATIVE: the newest state per completion index). Exactly one output has
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import sniffio
 
+from nbengine.frontend.waiter import make_async_waiter
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
@@ -69,46 +69,6 @@ def merge_outputs(pending: RequestOutput, new: RequestOutput, kind: RequestOutpu
     if new.prompt_logprobs is not None:
         pending.prompt_logprobs = new.prompt_logprobs
     pending.error = new.error
-
-
-def _make_async_waiter() -> tuple[Callable[[], None], Callable[[float], Awaitable[None]]]:
-    """A (wake, wait) pair bound to the running event loop; wake() is thread-safe."""
-    lib = sniffio.current_async_library()
-    if lib == "trio":
-        import trio
-
-        token = trio.lowlevel.current_trio_token()
-        tev = trio.Event()
-
-        def wake_trio() -> None:
-            try:
-                token.run_sync_soon(tev.set)
-            except trio.RunFinishedError:
-                pass
-
-        async def wait_trio(timeout: float) -> None:
-            with trio.move_on_after(timeout):
-                await tev.wait()
-
-        return wake_trio, wait_trio
-    if lib != "asyncio":
-        raise RuntimeError(f"RequestHandle supports asyncio and trio, not {lib}.")
-    loop = asyncio.get_running_loop()
-    aev = asyncio.Event()
-
-    def wake_asyncio() -> None:
-        try:
-            loop.call_soon_threadsafe(aev.set)
-        except RuntimeError:  # the consumer's loop is closed
-            pass
-
-    async def wait_asyncio(timeout: float) -> None:
-        try:
-            await asyncio.wait_for(aev.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-
-    return wake_asyncio, wait_asyncio
 
 
 class RequestHandle:
@@ -413,7 +373,7 @@ class RequestHandle:
             with self._cond:
                 if ready():
                     return
-                wake, wait = _make_async_waiter()
+                wake, wait = make_async_waiter()
                 self._wakers.append(wake)
             try:
                 await wait(_ASYNC_WAKE_S)
@@ -440,8 +400,18 @@ class RequestHandle:
         return box[0]
 
     async def result_async(self) -> RequestOutput:
-        """``await h``: wait for the final output on any asyncio or trio loop."""
-        await self._wait_async(lambda: self._final is not None)
+        """``await h``: wait for the final output on any asyncio or trio loop.
+
+        Cancelling the awaiting task aborts the request (as leaving ``async for`` early
+        does; vLLM's ``AsyncLLM.generate`` behaves the same): the task sees
+        ``CancelledError`` and the request ends FINISHED_ABORTED once the core confirms.
+        Shield the await (``asyncio.shield``) to let the request run on.
+        """
+        try:
+            await self._wait_async(lambda: self._final is not None)
+        except BaseException:
+            self._cancel_quietly(block=False)
+            raise
         if self._error is not None:
             raise EngineDeadError(str(self._error))
         assert self._final is not None

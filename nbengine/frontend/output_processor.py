@@ -73,6 +73,7 @@ class ChildState:
     final_sent: bool = False
     released: bool = False  # the core confirmed it no longer holds `key`
     abort_sent: bool = False
+    aborted: bool = False  # the user aborted it before its finish was decided
     finish_reason: FinishReason | None = None  # set when released
     stop_reason: int | str | None = None
     core_finish: EngineCoreOutput | None = None  # the core's own finish, if it decided
@@ -211,6 +212,8 @@ class OutputProcessor:
         for child in live.children:
             if child.released:
                 continue
+            if child.detok.stop_string is None:
+                child.aborted = True  # a completion stopped by a stop string keeps "stop"
             if child.status is not RequestStatus.RELEASING:
                 self._transition(live, child, RequestStatus.RELEASING)
             if not child.abort_sent:
@@ -340,7 +343,10 @@ class OutputProcessor:
         """The core confirmed that it no longer holds ``child.key``: decide its finish."""
         child.released = True
         core = child.core_finish
-        if live.abort_requested:
+        # A finish the frontend had decided when the abort was asked for stands (as in
+        # vLLM): `request_abort` marks only the completions still undecided. A finish the
+        # core reports after that (a final token in the step the abort arrived in) loses.
+        if child.aborted:
             reason, stop_reason, status = FinishReason.ABORT, None, RequestStatus.FINISHED_ABORTED
         elif child.detok.stop_string is not None:
             reason, stop_reason = FinishReason.STOP, child.detok.stop_string

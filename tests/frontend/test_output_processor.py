@@ -170,3 +170,33 @@ def test_fail_all_raises_engine_dead(tok: Tokenizer) -> None:
     with pytest.raises(nb.EngineDeadError, match="boom"):
         h.result()
     assert h.final_output is not None and h.final_output.outputs[0].finish_reason == "error"
+
+
+def test_abort_after_a_stop_string_matched_keeps_the_stop(tok: Tokenizer) -> None:
+    """A finish the frontend already decided (RELEASING after a stop string) stands: a
+    later abort is a no-op for it, as in vLLM."""
+    hn = Harness(tok)
+    h = hn.add("r", nb.SamplingParams(max_tokens=50, stop="cd"))
+    for t in byte_token_ids(tok, b"abcd"):
+        hn.step([tok_out("r#0", t)])
+    assert h.status is S.RELEASING and hn.aborts == [["r#0"]]
+    fut = hn.proc.request_abort(hn.proc.requests["r"])
+    assert hn.aborts == [["r#0"]]  # nothing more to abort
+    hn.step(finished=["r#0"])  # the core confirms the release
+    final = fut.result(0)
+    comp = final.outputs[0]
+    assert (comp.finish_reason, comp.stop_reason, comp.text) == ("stop", "cd", "ab")
+    assert h.status is S.FINISHED_STOPPED and final.status is S.FINISHED_STOPPED
+
+
+def test_abort_of_n2_keeps_the_stopped_completion(tok: Tokenizer) -> None:
+    hn = Harness(tok)
+    h = hn.add("r", nb.SamplingParams(n=2, max_tokens=50, stop="cd"))
+    for a, b in zip(byte_token_ids(tok, b"abcd"), byte_token_ids(tok, b"wxyz")):
+        hn.step([tok_out("r#0", a), tok_out("r#1", b)])
+    hn.proc.request_abort(hn.proc.requests["r"])
+    hn.step(finished=["r#0", "r#1"])
+    final = h.result(0)
+    reasons = [(c.finish_reason, c.stop_reason) for c in final.outputs]
+    assert reasons == [("stop", "cd"), ("abort", None)]
+    assert final.status is S.FINISHED_ABORTED  # the most severe outcome names the request
