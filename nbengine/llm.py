@@ -75,9 +75,7 @@ class LLM:
         for sp in params_list:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}.")
-            sp = sp.clone()
-            sp.output_kind = RequestOutputKind.FINAL_ONLY
-            final_params.append(sp)
+            final_params.append(sp.replace(output_kind=RequestOutputKind.FINAL_ONLY))
         # Validate everything first, so a bad prompt leaves no request behind.
         prepared = [
             self.engine._inputs.prepare(p, sp, None, 0) for p, sp in zip(prompt_list, final_params)

@@ -2,16 +2,37 @@
 
 Every field is validated in ``__post_init__``; an invalid value raises ``ValueError``
 (or ``TypeError`` for a wrong type) naming the field, at the call that built it.
+
+``SamplingParams`` is frozen: change a copy with ``params.replace(max_tokens=32)``.
+``Engine.generate`` validates the params again and keeps its own copy, so nothing a
+caller does to the object (or to a list or dict inside it) afterwards reaches a
+running request (docs/lifecycle.md, "What generate() keeps").
+
+Numeric ranges are those the sampler can represent: it computes in float32, so a
+value that is finite in Python but overflows float32 (``temperature=1e39``) or rounds
+to zero there (``top_p=1e-40``) is refused here, naming the field.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+MAX_N = 1024
+"""The most completions one request may ask for (``n``)."""
+
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+"""``seed`` spans what ``torch.Generator.manual_seed`` takes: signed or unsigned 64 bits."""
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 class RequestOutputKind(enum.Enum):
@@ -22,7 +43,7 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # a single output, when the request finishes
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to sample one completion (or ``n`` of them) for a prompt.
 
@@ -32,6 +53,8 @@ class SamplingParams:
     sampled token. ``logprobs=k`` returns the top-k log-probabilities plus the
     sampled token's for every output position; ``prompt_logprobs=k`` does the same
     for prompt positions.
+
+    Frozen: ``replace(**changes)`` returns a validated copy with some fields changed.
     """
 
     n: int = 1
@@ -56,26 +79,34 @@ class SamplingParams:
     stream_interval: int = 1
     skip_special_tokens: bool = True
     # Normalised forms, filled in by __post_init__.
-    stop_strings: list[str] = field(default_factory=list, repr=False)
+    stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        _check_float32("temperature", self.temperature)
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _check_float32("top_p", self.top_p)
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}.")
         if self.top_k == -1:
-            self.top_k = 0
+            self._set("top_k", 0)
         _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(
+                    f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got {self.seed}."
+                )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -86,7 +117,9 @@ class SamplingParams:
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        self.stop_strings = _normalise_stop(self.stop)
+        self._set("stop_strings", _normalise_stop(self.stop))
+        if isinstance(self.stop, list):
+            self._set("stop", list(self.stop))
         if self.stop_token_ids is not None:
             if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
                 self.stop_token_ids, Sequence
@@ -94,7 +127,7 @@ class SamplingParams:
                 raise TypeError("stop_token_ids must be a list of ints.")
             for t in self.stop_token_ids:
                 _check_int("stop_token_ids", t, minimum=0)
-            self.stop_token_ids = list(self.stop_token_ids)
+            self._set("stop_token_ids", list(self.stop_token_ids))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_float(name, value)
@@ -105,6 +138,7 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
             )
+        _check_float32("repetition_penalty", self.repetition_penalty)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
@@ -115,7 +149,12 @@ class SamplingParams:
             for tok, bias in self.logit_bias.items():
                 _check_int("logit_bias", tok, minimum=0)
                 _check_float("logit_bias", bias)
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+                if abs(bias) > FLOAT32_MAX:
+                    raise ValueError(
+                        f"logit_bias of token {tok} must be within +-{FLOAT32_MAX:.4g} (float32, "
+                        f"which the sampler computes in), got {bias}."
+                    )
+            self._set("logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
@@ -130,9 +169,23 @@ class SamplingParams:
         """True when sampling reduces to argmax."""
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
+    def _set(self, name: str, value: object) -> None:
+        """Normalise a field during ``__post_init__`` (the dataclass is frozen after it)."""
+        object.__setattr__(self, name, value)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied, validated like a new instance.
+
+        Lists and dicts are copied too, so the copy shares nothing mutable with ``self``.
+        """
+        values = {f.name: copy.deepcopy(getattr(self, f.name))
+                  for f in dataclasses.fields(self) if f.init}
+        values.update(changes)
+        return SamplingParams(**values)
+
     def clone(self) -> SamplingParams:
-        """A deep copy (used to derive the n>1 children)."""
-        return copy.deepcopy(self)
+        """A validated deep copy (vLLM's name); ``Engine.generate`` keeps one of these."""
+        return self.replace()
 
 
 def _normalise_stop(stop: str | list[str] | None) -> list[str]:
@@ -162,3 +215,18 @@ def _check_float(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a number, got {value!r}.")
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite, got {value}.")
+
+
+def _check_float32(name: str, value: float) -> None:
+    """``value`` (finite, non-negative) keeps its meaning in float32: no overflow, and a
+    positive value does not round to zero."""
+    if value > FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be at most {FLOAT32_MAX:.4g} (the largest float32; the sampler "
+            f"computes in float32), got {value}."
+        )
+    if 0 < value < FLOAT32_TINY:
+        raise ValueError(
+            f"{name} must be 0 or at least {FLOAT32_TINY:.4g} (smaller values round to zero "
+            f"in float32, which the sampler computes in), got {value}."
+        )

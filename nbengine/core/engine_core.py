@@ -34,6 +34,7 @@ from nbengine.core.messages import (
 from nbengine.core.scheduler import Scheduler
 from nbengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nbengine.request import FinishReason, Request, RequestStatus
+from nbengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,12 @@ class EngineCore:
                     f"model's vocabulary of {vocab} tokens."
                 )
         params = request.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Request {rid!r}: sampling_params must be a SamplingParams.")
+        # Validated again here (every field, on a copy of our own): a request must never
+        # reach the sampler with values it cannot handle, whatever happened to it on the
+        # way. A bad request is refused as FINISHED_ERROR; the core lives on.
+        params = params.clone()
         if params.n != 1:
             raise ValueError(f"Request {rid!r}: the engine core takes n=1 (got n={params.n}).")
         for k in (params.logprobs, params.prompt_logprobs):
@@ -108,6 +115,11 @@ class EngineCore:
                     f"Request {rid!r}: {k} log-probabilities asked for, but the model's "
                     f"vocabulary has {vocab} tokens."
                 )
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"Request {rid!r}: logit_bias names token ids outside the model's vocabulary "
+                f"of {vocab} tokens."
+            )
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
@@ -267,7 +279,7 @@ class EngineCore:
     def _handle_add(self, request: EngineCoreRequest) -> None:
         try:
             self.add_request(request)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # one bad request fails alone, never the core
             key = getattr(request, "request_id", None)
             key = key if isinstance(key, str) else str(key)
             logger.warning("rejected request %s: %s", key, exc)

@@ -49,7 +49,7 @@ from nbengine.frontend.input_processor import InputProcessor, PreparedRequest
 from nbengine.frontend.output_processor import ChildState, LiveRequest, OutputProcessor
 from nbengine.outputs import RequestMetrics, RequestOutput
 from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError
-from nbengine.sampling_params import SamplingParams
+from nbengine.sampling_params import SEED_MAX, SamplingParams
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -130,6 +130,12 @@ def _reap_engine(client: CoreClient, exit_stack: contextlib.ExitStack) -> None:
             logger.exception("reaping an unreferenced engine failed")
 
     threading.Thread(target=reap, name="nbengine-reaper", daemon=True).start()
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of an n>1 request: ``seed + index`` in 64 bits."""
+    child = seed + index
+    return child if child <= SEED_MAX else child - 2**64
 
 
 def _boxed(fn: Callable[..., T], *args: Any) -> tuple[T]:
@@ -323,10 +329,14 @@ class Engine:
             if n == 1:
                 key, cp = f"{request_id}#{incarnation}", params
             else:
-                key, cp = f"{request_id}#{incarnation}.{i}", params.clone()
-                cp.n = 1
-                if params.seed is not None:
-                    cp.seed = params.seed + i
+                key = f"{request_id}#{incarnation}.{i}"
+                cp = params.replace(
+                    n=1,
+                    # Completion i draws from seed + i (wrapped into 64 bits).
+                    seed=None if params.seed is None else _child_seed(params.seed, i),
+                    # One copy of the prompt's logprobs: completion 0 computes them.
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
             child_params.append(cp)
             children.append(
                 ChildState(key=key, index=i, params=cp,

@@ -55,6 +55,10 @@ class InputProcessor:
             raise TypeError(
                 f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
             )
+        else:
+            # The engine keeps its own validated copy: whatever the caller does to the
+            # object (or a list or dict inside it) later never reaches the request.
+            sampling_params = sampling_params.clone()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}.")
         for name in ("logprobs", "prompt_logprobs"):
@@ -64,10 +68,18 @@ class InputProcessor:
                     f"{name}={k} asks for more log-probabilities than the model's "
                     f"vocabulary of {self.vocab_size} tokens."
                 )
+        if sampling_params.logit_bias:
+            outside = sorted(t for t in sampling_params.logit_bias if t >= self.vocab_size)
+            if outside:
+                raise ValueError(
+                    f"logit_bias names token ids outside the model's vocabulary "
+                    f"(0..{self.vocab_size - 1}): {outside[:5]}."
+                )
         text: str | None
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("The prompt is empty; give at least one character or token.")
+            _check_encodable("The prompt", prompt)
             text = prompt
             ids = list(self.tokenizer.encode(prompt))
             if not ids:
@@ -95,3 +107,15 @@ class InputProcessor:
                 f"{self.max_model_len}."
             )
         return PreparedRequest(request_id, text, ids, sampling_params, priority)
+
+
+def _check_encodable(what: str, text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be UTF-8 encoded,
+    and the tokenizers library would fail with an obscure TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} is not valid Unicode: it has a lone surrogate {text[exc.start]!r} at "
+            f"character {exc.start}."
+        ) from None

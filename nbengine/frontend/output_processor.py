@@ -48,6 +48,12 @@ _FINISHED_SEVERITY = (
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH_CAPPED,
 )
+_PARENT_LIVE_ORDER = (
+    RequestStatus.RUNNING,
+    RequestStatus.PREEMPTED,
+    RequestStatus.WAITING,
+    RequestStatus.QUEUED,
+)
 _STATUS_OF_REASON = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -105,6 +111,14 @@ class LiveRequest:
     num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.QUEUED
     finalized: bool = False
+    # How many children are in each status, and how many the core has released: the
+    # parent's status and "all released" are O(1) per child event, whatever ``n`` is.
+    status_counts: dict[RequestStatus, int] = field(default_factory=dict)
+    num_released: int = 0
+
+    @property
+    def all_released(self) -> bool:
+        return self.num_released == len(self.children)
 
 
 class OutputProcessor:
@@ -177,6 +191,10 @@ class OutputProcessor:
         old = None if new is RequestStatus.QUEUED else child.status
         if old is new:
             return
+        counts = live.status_counts
+        if old is not None:
+            counts[old] -= 1
+        counts[new] = counts.get(new, 0) + 1
         child.status = new
         self._emit_event(live, child, old, new)
         live.status = self._parent_status(live)
@@ -185,19 +203,17 @@ class OutputProcessor:
 
     @staticmethod
     def _parent_status(live: LiveRequest) -> RequestStatus:
-        statuses = [c.status for c in live.children]
-        if len(statuses) == 1:
-            return statuses[0]
-        live_ones = [s for s in statuses if not RequestStatus.is_finished(s)]
-        if not live_ones:
+        """The request's status from its children's: O(number of statuses), not O(n)."""
+        if len(live.children) == 1:
+            return live.children[0].status
+        counts = live.status_counts
+        if sum(counts.get(s, 0) for s in _FINISHED_SEVERITY) == len(live.children):
             # n > 1, all children done: the most severe outcome names the request.
             for s in _FINISHED_SEVERITY:
-                if s in statuses:
+                if counts.get(s):
                     return s
-            return statuses[0]
-        for s in (RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.WAITING,
-                  RequestStatus.QUEUED):
-            if s in live_ones:
+        for s in _PARENT_LIVE_ORDER:
+            if counts.get(s):
                 return s
         return RequestStatus.RELEASING
 
@@ -234,8 +250,8 @@ class OutputProcessor:
             except Exception:
                 logger.exception("step hook failed")
         now = time.monotonic()
-        touched: dict[str, LiveRequest] = {}
-        updated: set[str] = set()
+        # Per request: the children this batch changed (publishing is O(changed), not O(n)).
+        touched: dict[str, tuple[LiveRequest, dict[int, ChildState]]] = {}
         for ev in batch.events:
             child = self.keys.get(ev.request_id)
             if child is None or ev.status not in _LIVE_CORE_STATUSES:
@@ -255,7 +271,8 @@ class OutputProcessor:
             live = self._parent_of[child.key]
             if out.num_cached_tokens:
                 live.num_cached_tokens = max(live.num_cached_tokens, out.num_cached_tokens)
-            if out.new_prompt_logprobs:
+            if out.new_prompt_logprobs and child.index == 0:
+                # One entry per prompt position: only completion 0 asks the core for them.
                 self._add_prompt_logprobs(live, out.new_prompt_logprobs)
             if out.finished:
                 child.core_finish = out
@@ -263,12 +280,11 @@ class OutputProcessor:
                 continue  # a stop string already ended it: later tokens are dropped
             if out.new_token_ids:
                 self._add_tokens(live, child, out, now)
-                updated.add(child.key)
-                touched[live.request_id] = live
+                touched.setdefault(live.request_id, (live, {}))[1][child.index] = child
         if batch.engine_error is not None:
             # The core is dead: every live request fails with EngineDeadError, below.
-            for live in touched.values():
-                self._publish(live, updated, now)
+            for live, changed in touched.values():
+                self._publish(live, changed, now)
             self.fail_all(f"The engine core failed: {batch.engine_error}")
             return
         for key in batch.finished:
@@ -277,10 +293,9 @@ class OutputProcessor:
                 continue
             live = self._parent_of.pop(key)
             self._release(live, child)
-            updated.add(key)
-            touched[live.request_id] = live
-        for live in touched.values():
-            self._publish(live, updated, now)
+            touched.setdefault(live.request_id, (live, {}))[1][child.index] = child
+        for live, changed in touched.values():
+            self._publish(live, changed, now)
 
     def _add_prompt_logprobs(
         self, live: LiveRequest, new: list[PositionLogprobs | None]
@@ -342,6 +357,7 @@ class OutputProcessor:
     def _release(self, live: LiveRequest, child: ChildState) -> None:
         """The core confirmed that it no longer holds ``child.key``: decide its finish."""
         child.released = True
+        live.num_released += 1
         core = child.core_finish
         # A finish the frontend had decided when the abort was asked for stands (as in
         # vLLM): `request_abort` marks only the completions still undecided. A finish the
@@ -418,17 +434,17 @@ class OutputProcessor:
         return _request_output(live, comps, True, live.prompt_logprobs,
                                error=errors[0] if errors else None)
 
-    def _publish(self, live: LiveRequest, updated: set[str], now: float) -> None:
+    def _publish(self, live: LiveRequest, changed: dict[int, ChildState], now: float) -> None:
         if live.finalized:
             return
-        all_released = all(c.released for c in live.children)
+        all_released = live.all_released
         kind = live.params.output_kind
         stream_out: RequestOutput | None = None
         if kind is not RequestOutputKind.FINAL_ONLY:
             delta = kind is RequestOutputKind.DELTA
             comps: list[CompletionOutput] = []
-            for child in live.children:
-                if child.key not in updated or child.final_sent:
+            for _, child in sorted(changed.items()):
+                if child.final_sent:
                     continue
                 if not child.released:
                     if child.detok.finished:
@@ -509,6 +525,7 @@ class OutputProcessor:
             if child.released:
                 continue
             child.released = True
+            live.num_released += 1
             child.finish_reason = reason
             child.stop_reason = None
             child.error = message

@@ -121,10 +121,21 @@ def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) 
 _CANDIDATE_TIERS = (256, 2048)
 
 
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """Keep extreme but valid parameters meaningful in float32, in place.
+
+    A large logit_bias or a small repetition_penalty can push a logit past the float32
+    range; softmax of +inf is NaN, and inverse-CDF sampling over NaNs would return the
+    last vocabulary id. An overflowed logit becomes the largest finite value (the token
+    stays the most likely); NaN becomes -inf (never chosen).
+    """
+    return torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+
+
 def _scale_and_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then min_p, on ``logits [M, V]``."""
     temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
-    logits = logits / temp
+    logits = _finite(logits / temp)
     if any(p.min_p > 0 for p in params):
         probs = logits.softmax(dim=-1)
         min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)[:, None]
@@ -181,7 +192,9 @@ def _sample_rows(
         probs = (vals - lse).exp()
         top_p = torch.tensor([tops[i] for i in pending], dtype=vals.dtype)[:, None]
         mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        vals = vals.masked_fill(mass_before >= top_p, float("-inf"))
+        # The most likely token always stays, however small top_p is after rounding.
+        beyond = (mass_before >= top_p) & (torch.arange(width)[None, :] > 0)
+        vals = vals.masked_fill(beyond, float("-inf"))
         mass = probs.sum(-1).tolist()
         settled = [
             j for j, i in enumerate(pending)
@@ -229,7 +242,7 @@ class Sampler:
         if all(p.greedy for p in params) and not any(_needs_processing(r) for r in requests):
             tokens = _argmax_rows(logits)  # fast path: no per-row work
         else:
-            x = apply_penalties_and_bias(logits.clone(), requests)
+            x = _finite(apply_penalties_and_bias(logits.clone(), requests))
             tokens = x.argmax(dim=-1).tolist()
             rand = [i for i, p in enumerate(params) if not p.greedy]
             if rand:

@@ -200,3 +200,37 @@ def test_abort_of_n2_keeps_the_stopped_completion(tok: Tokenizer) -> None:
     reasons = [(c.finish_reason, c.stop_reason) for c in final.outputs]
     assert reasons == [("stop", "cd"), ("abort", None)]
     assert final.status is S.FINISHED_ABORTED  # the most severe outcome names the request
+
+
+class _CountingList(list):  # type: ignore[type-arg]
+    """A list that counts how often it is walked (for the O(1)-per-event test)."""
+
+    walks = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _CountingList.walks += 1
+        return super().__iter__()
+
+
+def test_child_events_cost_o1_whatever_n(tok: Tokenizer) -> None:
+    """A request with many completions is never re-scanned per child event: adding it
+    walks its children once, and a step that touches one child walks none."""
+    hn = Harness(tok)
+    params = nb.SamplingParams(n=512, max_tokens=5)
+    h = RequestHandle(None, "big", params, None, [1, 2, 3], time.monotonic())  # type: ignore[arg-type]
+    children = _CountingList(
+        ChildState(key=f"big#{i}", index=i, params=params, detok=IncrementalDetokenizer(tok, params))
+        for i in range(512)
+    )
+    live = LiveRequest("big", 1, h, params, None, [1, 2, 3], children,
+                       RequestMetrics(time.monotonic()), 1)
+    _CountingList.walks = 0
+    hn.proc.add(live)
+    assert _CountingList.walks == 1
+    _CountingList.walks = 0
+    hn.step([tok_out("big#7", 70)], events=[StatusEvent("big#7", S.RUNNING, time.monotonic())])
+    hn.step([tok_out("big#7", 71, FinishReason.LENGTH)], finished=["big#7"])
+    assert _CountingList.walks == 0
+    assert h.status is S.QUEUED  # 511 children still queued: the request is not running yet
+    out = take(h)
+    assert out is not None and [c.index for c in out.outputs] == [7]

@@ -202,3 +202,23 @@ def test_metrics_hooks_see_requests_tokens_events_and_steps(engine: nb.Engine) -
     events = engine.events()
     ev = events[events.request_id == "hooks"]
     assert set(ev.key) == keys and (ev.step.dropna() >= 0).all()
+
+
+def test_prompt_logprobs_once_per_position_with_n(engine: nb.Engine) -> None:
+    """n > 1 returns one prompt_logprobs entry per prompt position, not n copies."""
+    h = engine.generate("Once upon a time", nb.SamplingParams(
+        n=3, max_tokens=2, prompt_logprobs=2, ignore_eos=True, seed=0))
+    final = h.result(timeout=60)
+    plp = final.prompt_logprobs
+    assert plp is not None and len(plp) == len(final.prompt_token_ids)
+    assert plp[0] is None and all(p is not None for p in plp[1:])
+
+
+def test_n_up_to_the_documented_cap(engine: nb.Engine) -> None:
+    from nbengine.sampling_params import MAX_N
+
+    final = engine.generate("Once", nb.SamplingParams(n=MAX_N, max_tokens=1, seed=1)).result(120)
+    assert [c.index for c in final.outputs] == list(range(MAX_N))
+    assert all(len(c.token_ids) == 1 for c in final.outputs)
+    with pytest.raises(ValueError, match=f"n must be at most {MAX_N}"):
+        nb.SamplingParams(n=MAX_N + 1)

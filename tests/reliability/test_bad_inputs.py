@@ -56,6 +56,15 @@ BAD_PARAMS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"logit_bias": {1: float("inf")}}, ValueError, "logit_bias must be finite"),
     ({"output_kind": 1}, TypeError, "output_kind must be a RequestOutputKind"),
     ({"stream_interval": 0}, ValueError, "stream_interval must be at least 1"),
+    # Beyond what the sampler (float32, torch.Generator) can represent: named at the call.
+    ({"n": 100_000}, ValueError, "n must be at most 1024"),
+    ({"seed": 2**64}, ValueError, "seed must be a 64-bit integer"),
+    ({"seed": -(2**63) - 1}, ValueError, "seed must be a 64-bit integer"),
+    ({"temperature": 1e39}, ValueError, "temperature must be at most 3.403e+38"),
+    ({"top_p": 1e-40}, ValueError, "top_p must be 0 or at least 1.175e-38"),
+    ({"repetition_penalty": 1e39}, ValueError, "repetition_penalty must be at most"),
+    ({"repetition_penalty": 1e-300}, ValueError, "repetition_penalty must be 0 or at least"),
+    ({"logit_bias": {1: 1e39}}, ValueError, "logit_bias of token 1 must be within"),
 ]
 
 
@@ -97,6 +106,7 @@ def test_request_level_rejections_leave_no_state(engine: nb.Engine) -> None:
         ([1, 10**12], {}, ValueError, "outside the model's vocabulary"),
         ([1, 2.0], {}, TypeError, "Prompt token ids must be ints"),
         ([1, True], {}, TypeError, "Prompt token ids must be ints"),
+        ("bad \ud800 text", {}, ValueError, "has a lone surrogate '\\ud800' at character 4"),
         ("hi", {"sampling_params": {"max_tokens": 3}}, TypeError,
          "sampling_params must be a SamplingParams"),
         ("hi", {"priority": "high"}, TypeError, "priority must be an int"),
@@ -118,12 +128,15 @@ def test_request_level_rejections_leave_no_state(engine: nb.Engine) -> None:
     _works(engine)
 
 
-def test_out_of_vocab_ids_in_params_are_harmless(engine: nb.Engine) -> None:
-    """stop_token_ids / logit_bias keys beyond the vocabulary never match; no crash."""
+def test_out_of_vocab_ids_in_params(engine: nb.Engine) -> None:
+    """stop_token_ids beyond the vocabulary never match; logit_bias keys beyond it are
+    refused at generate() (as vLLM does): a bias that can never apply is a mistake."""
     vocab = engine._vocab_size
+    with pytest.raises(ValueError, match=r"logit_bias names token ids outside the model's vocabulary"):
+        engine.generate("Once upon", SP(logit_bias={vocab + 7: 5.0}), request_id="lb")
+    _works(engine, "lb")
     for params in (
         SP(max_tokens=4, ignore_eos=True, stop_token_ids=[vocab + 7]),
-        SP(max_tokens=4, ignore_eos=True, logit_bias={vocab + 7: 5.0}),
         SP(max_tokens=4, ignore_eos=True, logprobs=vocab),  # the whole vocabulary is fine
     ):
         out = engine.generate("Once upon", params).result(timeout=WAIT_S)
@@ -285,3 +298,69 @@ def test_bad_engine_kwargs_raise_and_start_no_threads(tiny_model: Path) -> None:
     # ... and a good engine starts fine afterwards.
     with nb.Engine(str(tiny_model), **ENGINE_KW) as engine:
         _works(engine)
+
+
+def test_params_are_frozen_and_generate_keeps_its_own_copy(engine: nb.Engine) -> None:
+    """Changing params after generate() cannot reach the request: the fields are frozen,
+    and the lists and dicts inside are copied (and validated again) at the call."""
+    params = SP(max_tokens=4, ignore_eos=True, logit_bias={5: 0.5}, stop=["zzz-never"])
+    with pytest.raises(AttributeError):
+        params.max_tokens = 1000  # type: ignore[misc]
+    h = engine.generate("Once upon", params, request_id="frozen")
+    params.logit_bias[-1] = 1.0  # type: ignore[index]   # killed the core when it got through
+    out = h.result(timeout=WAIT_S)
+    assert len(out.outputs[0].token_ids) == 4 and engine.is_alive
+    # The same object, now invalid, is refused at the next call, naming the field.
+    with pytest.raises(ValueError, match="logit_bias must be at least 0"):
+        engine.generate("Once upon", params, request_id="frozen")
+    params.stop.append("")  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="stop must not contain an empty string"):
+        params.replace(logit_bias=None)
+    longer = params.replace(max_tokens=6, logit_bias=None, stop=None)
+    assert longer.max_tokens == 6 and params.max_tokens == 4
+    assert len(engine.generate("Once upon", longer).result(timeout=WAIT_S).outputs[0].token_ids) == 6
+    _works(engine, "frozen")
+
+
+def test_a_bad_request_reaching_the_core_fails_alone(engine: nb.Engine) -> None:
+    """Even a request that bypasses generate()'s checks cannot kill the core: the core
+    validates again and fails that one request as FINISHED_ERROR."""
+    from nbengine.core.messages import EngineCoreMessage, EngineCoreRequest, MessageType
+
+    bad = SP(max_tokens=4)
+    object.__setattr__(bad, "logit_bias", {-1: 1.0})  # what a mutable params object allowed
+    object.__setattr__(bad, "seed", 2**70)
+    rejected: list[str] = []
+    core = engine._core
+
+    def add_bad(c: Any) -> None:
+        c._handle_add(EngineCoreRequest("bad#1", [1, 2, 3], bad, 0.0))
+        rejected.extend(o.error or "" for o in c.scheduler._pending.outputs if o.request_id == "bad#1")
+
+    engine._run_on_core(add_bad).result(WAIT_S)
+    assert rejected and "must be" in rejected[0]
+    assert engine.is_alive and core.num_unfinished_requests() == 0
+    _works(engine)
+
+
+def test_extreme_valid_params_sample_sensibly(engine: nb.Engine) -> None:
+    """Values at the edge of float32 keep their meaning instead of turning the logits
+    into NaN (which sampled the last vocabulary id)."""
+    vocab = engine._vocab_size
+    # 3e38 / 0.5 overflows float32: both biased tokens become the largest finite logit.
+    forced = SP(max_tokens=6, temperature=0.5, seed=1, ignore_eos=True,
+                logit_bias={7: 3.0e38, 9: 3.0e38})
+    ids = engine.generate("Once upon", forced).result(timeout=WAIT_S).outputs[0].token_ids
+    assert set(ids) <= {7, 9}, ids
+    # A tiny repetition penalty divides a seen token's positive logit past float32's range.
+    prompt = [11, 12, 13, 14]
+    rep = SP(max_tokens=4, seed=2, repetition_penalty=1.2e-38, logit_bias={12: 10.0},
+             ignore_eos=True)
+    ids = engine.generate(prompt, rep).result(timeout=WAIT_S).outputs[0].token_ids
+    assert ids == [12] * 4 and vocab - 1 not in ids, ids
+    # A tiny top_p keeps the single most likely token: the same as greedy.
+    greedy = engine.generate("Once upon", SP(max_tokens=6, temperature=0, ignore_eos=True))
+    tiny_p = engine.generate("Once upon", SP(max_tokens=6, top_p=1.2e-38, seed=3, ignore_eos=True))
+    assert tiny_p.result(timeout=WAIT_S).outputs[0].token_ids == \
+        greedy.result(timeout=WAIT_S).outputs[0].token_ids
+    _works(engine)
