@@ -1,16 +1,20 @@
 """Incremental detokenization and stop-string detection for one completion.
 
-Invariants kept by ``IncrementalDetokenizer``:
+Invariants kept by ``IncrementalDetokenizer`` (docs/lifecycle.md, "Text"):
 
-- ``text`` is always a prefix of ``tokenizer.decode(token_ids[:n])`` (``n`` = the ids
-  that are decoded, all of them unless a stop token's text is excluded) that ends on a
-  complete character: text whose decoding ends in U+FFFD (a UTF-8 character split
-  across tokens) is held back until the character completes, or until ``finish()``.
-  After ``finish()`` (and when no stop string truncated it) ``text`` equals the full
-  decode.
-- Decoding works on a sliding window ``token_ids[prefix_offset:]``; ``prefix_offset`` and
-  ``read_offset`` always sit on character boundaries, so window decodes splice exactly
-  into the full decode (byte-level BPE and Metaspace/SentencePiece decoders alike).
+- Output text is decoded *in the context of the prompt*: ``decode(prompt + output)`` is
+  always ``decode(prompt) + text`` once finished (for byte-level BPE, SentencePiece-style
+  Metaspace or Replace+Strip decoders, and WordPiece alike). Decoding the output ids
+  alone would be wrong for the decoders that treat the first token of a text specially:
+  SentencePiece's ``▁the`` starts a text as ``the`` but continues one as `` the``, and
+  WordPiece joins words with spaces it never puts first. So the decode window starts
+  with the last few prompt ids, as vLLM and text-generation-inference do.
+- Decoding works on a sliding window ``[prefix_offset:]`` of prompt context + output
+  ids; ``read_offset`` marks the end of the text already emitted. ``text`` grows by
+  ``decode(window) - decode(window[:read_offset - prefix_offset])``, and only by text
+  that ends on a complete character: a decode ending in U+FFFD (a UTF-8 character
+  split across tokens) is held back until the character completes, or until
+  ``finish()``.
 - Stop strings are searched only in the newly decoded tail; the match that completes
   earliest wins. ``streamable_len()`` holds back ``max(len(stop)) - 1`` characters
   while the completion is live, so a delta that is emitted is never retracted.
@@ -26,6 +30,10 @@ from nbengine.sampling_params import SamplingParams
 __all__ = ["IncrementalDetokenizer", "TokenizerLike"]
 
 _REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5
+"""How many trailing prompt ids start the decode window (vLLM uses the same number):
+enough for a decoder to see that the output continues a text, and for a character
+split across the prompt's last tokens to decode whole."""
 
 
 class TokenizerLike(Protocol):
@@ -41,6 +49,7 @@ class IncrementalDetokenizer:
         "_tokenizer",
         "_skip_special",
         "token_ids",
+        "_window_ids",
         "text",
         "_num_decoded",
         "_prefix_offset",
@@ -53,14 +62,22 @@ class IncrementalDetokenizer:
         "finished",
     )
 
-    def __init__(self, tokenizer: TokenizerLike, params: SamplingParams) -> None:
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int] = (),
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # the output ids
+        # Prompt context, then every output id; the offsets below index this list.
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._window_ids: list[int] = context
         self.text = ""
-        self._num_decoded = 0  # ids covered by the decode window's end
+        self._num_decoded = len(context)  # ids covered by the decode window's end
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(context)
         self._stop = list(params.stop_strings)
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -76,7 +93,7 @@ class IncrementalDetokenizer:
 
     def _advance(self, end: int, force: bool) -> str:
         """Decode the window up to ``end`` ids; return the new complete text (maybe "")."""
-        window = self.token_ids[self._prefix_offset : end]
+        window = self._window_ids[self._prefix_offset : end]
         prefix_len = self._read_offset - self._prefix_offset
         prefix_text = self._decode(window[:prefix_len]) if prefix_len else ""
         new_text = self._decode(window)
@@ -97,7 +114,8 @@ class IncrementalDetokenizer:
         if self.finished or not new_token_ids:
             return None
         self.token_ids.extend(new_token_ids)
-        self._num_decoded = len(self.token_ids) - (1 if exclude_last_text else 0)
+        self._window_ids.extend(new_token_ids)
+        self._num_decoded = len(self._window_ids) - (1 if exclude_last_text else 0)
         if self._num_decoded <= self._read_offset:
             return None
         delta = self._advance(self._num_decoded, force=False)

@@ -340,7 +340,7 @@ class Engine:
             child_params.append(cp)
             children.append(
                 ChildState(key=key, index=i, params=cp,
-                           detok=IncrementalDetokenizer(self.tokenizer, cp))
+                           detok=IncrementalDetokenizer(self.tokenizer, cp, prep.prompt_token_ids))
             )
         live = LiveRequest(
             request_id=request_id,
