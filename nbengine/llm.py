@@ -84,7 +84,7 @@ class LLM:
         handles: list[RequestHandle] = []
         try:
             for i, prep in enumerate(prepared):
-                h = self.engine._call_on_loop(self.engine._register, prep)
+                h = self.engine._submit(prep)
                 h._add_done_callback(lambda _h, i=i: done_q.put(i))
                 handles.append(h)
             return self._collect(handles, done_q, use_tqdm)

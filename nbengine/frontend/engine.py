@@ -304,7 +304,59 @@ class Engine:
     def _send_abort(self, keys: list[str]) -> None:
         self._client.send(EngineCoreMessage(MessageType.ABORT, list(keys)))
 
+    def _submit(self, prep: PreparedRequest) -> RequestHandle:
+        """Register ``prep`` on the loop and return its handle, atomically for the caller.
+
+        A ``KeyboardInterrupt`` (or any exception) that reaches the caller while it waits
+        for the loop leaves nothing behind: if the request got registered, it is aborted
+        and the core's confirmation awaited before the exception propagates, so its id is
+        free again (docs/lifecycle.md, "Interrupts"). Interrupts that arrive during that
+        clean-up are held back and the first one is re-raised after it.
+        """
+        try:
+            return self._call_on_loop(self._register, prep)
+        except BaseException:
+            if threading.current_thread() is self._loop_thread:
+                raise
+            self._withdraw(prep)
+            raise
+
+    def _withdraw(self, prep: PreparedRequest) -> None:
+        """Undo a registration whose caller was interrupted (see ``_submit``)."""
+        deferred: BaseException | None = None
+        fut: Future[RequestOutput] | None = None
+        asked = False
+        while True:
+            try:
+                if not asked:
+                    # Runs on the loop after the registration call (the portal is FIFO);
+                    # idempotent, so an interrupt before `asked` is set just repeats it.
+                    fut = self._call_on_loop(self._withdraw_on_loop, prep)
+                    asked = True
+                if fut is not None:
+                    self._wait_future(fut, None, f"withdrawal of {prep.request_id!r}")
+                break
+            except (KeyboardInterrupt, SystemExit) as exc:
+                deferred = deferred or exc  # finish the clean-up first
+            except Exception:  # the engine died: nothing is left registered
+                logger.debug("withdrawing an interrupted request failed", exc_info=True)
+                break
+        if deferred is not None:
+            raise deferred
+
+    def _withdraw_on_loop(self, prep: PreparedRequest) -> Future[RequestOutput] | None:
+        prep.withdrawn = True
+        handle = prep.handle
+        if handle is None:
+            return None
+        live = handle._live
+        if live is None or live.finalized:
+            return None
+        return self._processor.request_abort(live)
+
     def _register(self, prep: PreparedRequest) -> RequestHandle:
+        if prep.withdrawn:
+            raise RuntimeError("the caller was interrupted before the request was registered")
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         requests = self._processor.requests
@@ -354,6 +406,7 @@ class Engine:
             stream_interval=max(self._stream_interval, params.stream_interval),
         )
         self._processor.add(live)
+        prep.handle = handle
         for child, cp in zip(children, child_params):
             self._client.send(
                 EngineCoreMessage(
@@ -467,7 +520,7 @@ class Engine:
         if not self._client.is_alive():  # died without its failure reaching the loop
             raise EngineDeadError("The engine core thread is gone.")
         prep = self._inputs.prepare(prompt, sampling_params, request_id, priority)
-        return self._call_on_loop(self._register, prep)
+        return self._submit(prep)
 
     def _normalise_ids(self, request_ids: str | Iterable[str]) -> tuple[list[str], bool]:
         if isinstance(request_ids, str):

@@ -27,6 +27,10 @@ class PreparedRequest:
     params: SamplingParams
     priority: int
     arrival: float = field(default_factory=time.monotonic)
+    # Written on the loop thread only: the handle once registered, or withdrawn=True if
+    # the caller was interrupted first (then it must never be registered).
+    handle: Any = None
+    withdrawn: bool = False
 
 
 class InputProcessor:

@@ -189,3 +189,52 @@ def test_cancel_without_waiting_for_ui_callbacks(engine: nb.Engine) -> None:
     assert h.cancel(wait=False) is None  # returns at once
     final = h.result(timeout=60)
     assert final.outputs[0].finish_reason == "abort" and h.status is S.FINISHED_ABORTED
+
+
+def _interrupt_after_registration(engine: nb.Engine, monkeypatch: pytest.MonkeyPatch,
+                                  on_call: int = 1) -> None:
+    """Make the loop raise KeyboardInterrupt in the main thread right after it registers
+    the ``on_call``-th request: the interrupt lands inside generate(), after the
+    registration and before the handle reaches the caller."""
+    processor = engine._processor
+    original = processor.add
+    calls = {"n": 0}
+
+    def add_then_interrupt(live):  # type: ignore[no-untyped-def]
+        original(live)
+        calls["n"] += 1
+        if calls["n"] == on_call:
+            _thread.interrupt_main()
+
+    monkeypatch.setattr(processor, "add", add_then_interrupt)
+
+
+def test_keyboard_interrupt_inside_generate_leaves_no_request(
+    engine: nb.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _interrupt_after_registration(engine, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate("Once upon", long_params(), request_id="kbi")
+    monkeypatch.undo()
+    # Either the caller has the handle, or the request was aborted and confirmed: here
+    # the caller has none, so nothing may be live and the id is free at once.
+    assert engine.num_unfinished_requests() == 0
+    out = engine.generate("Again", nb.SamplingParams(max_tokens=3, ignore_eos=True),
+                          request_id="kbi").result(timeout=60)
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_keyboard_interrupt_inside_llm_generate_leaves_no_request(
+    tiny_model, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    from fe_util import ENGINE_KW
+
+    with nb.LLM(str(tiny_model), **ENGINE_KW) as llm:
+        _interrupt_after_registration(llm.engine, monkeypatch, on_call=2)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a", "b", "c"], long_params(), use_tqdm=False)
+        monkeypatch.undo()
+        assert llm.engine.num_unfinished_requests() == 0
+        outs = llm.generate(["a", "b"], nb.SamplingParams(max_tokens=2, ignore_eos=True),
+                            use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
