@@ -401,7 +401,7 @@ class RayCoreClient(CoreClient):
             else:
                 logger.warning("replica %d actor still answers after ray.kill", rep.index)
 
-    def shutdown(self, timeout: float) -> None:
+    def shutdown(self, timeout: float) -> str | None:
         """Stop every replica's loop, free its model, kill its actor; leave no actors."""
         with self._lock:
             if self._closed:

@@ -80,8 +80,12 @@ class CoreClient(ABC):
         """True for the client's own threads (they must never block on the engine)."""
 
     @abstractmethod
-    def shutdown(self, timeout: float) -> None:
-        """Stop every core and free its model. Idempotent."""
+    def shutdown(self, timeout: float) -> str | None:
+        """Stop every core and free its model. Idempotent.
+
+        Returns None when everything stopped within ``timeout``, else a sentence saying
+        what is still running (and when it will be freed).
+        """
 
     @abstractmethod
     def describe(self) -> list[dict[str, Any]]:
@@ -115,6 +119,11 @@ class InprocCoreClient(CoreClient):
         self.queue: queue.Queue[EngineCoreMessage] = queue.Queue()
         self.thread: threading.Thread | None = None
         self._started_at = time.monotonic()
+        # A core thread stuck in a step when shutdown() gave up frees the model itself
+        # when the step ends (the lock orders that hand-over against its exit).
+        self._exit_lock = threading.Lock()
+        self._exited = False
+        self._free_on_exit = False
 
     def start(
         self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn,
@@ -122,11 +131,25 @@ class InprocCoreClient(CoreClient):
     ) -> None:
         self.thread = threading.Thread(
             target=_core_thread_main,
-            args=(self.core, self.queue, emit, on_exit),
+            args=(self.core, self.queue, emit, on_exit, self._on_thread_exit),
             name="nbengine-core",
             daemon=True,
         )
         self.thread.start()
+
+    def _on_thread_exit(self) -> None:
+        """Last act of the core thread: free the model if shutdown() handed that over."""
+        with self._exit_lock:
+            self._exited = True
+            free = self._free_on_exit
+        if free:
+            self._free_core()
+
+    def _free_core(self) -> None:
+        try:
+            self.core.shutdown()
+        except Exception:
+            logger.exception("engine core shutdown failed")
 
     def send(self, msg: EngineCoreMessage) -> None:
         self.queue.put(msg)
@@ -137,17 +160,22 @@ class InprocCoreClient(CoreClient):
     def owns_thread(self, thread: threading.Thread) -> bool:
         return thread is self.thread
 
-    def shutdown(self, timeout: float) -> None:
+    def shutdown(self, timeout: float) -> str | None:
         self.queue.put(EngineCoreMessage(MessageType.SHUTDOWN))
-        if self.thread is not None:
+        if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout)
-            if self.thread.is_alive():
-                logger.warning("engine core thread did not stop within %.1f s", timeout)
-                return
-        try:
-            self.core.shutdown()
-        except Exception:
-            logger.exception("engine core shutdown failed")
+            with self._exit_lock:
+                stuck = not self._exited and self.thread.is_alive()
+                self._free_on_exit = stuck
+            if stuck:
+                message = (
+                    f"the engine core thread is still inside a model step after {timeout:g} s; "
+                    "it stops, and frees the model and KV cache, when that step returns"
+                )
+                logger.warning(message)
+                return message
+        self._free_core()
+        return None
 
     def describe(self) -> list[dict[str, Any]]:
         core = self.core
@@ -166,6 +194,7 @@ def _core_thread_main(
     input_queue: queue.Queue[EngineCoreMessage],
     emit: EmitFn,
     on_exit: ExitFn,
+    on_thread_exit: Callable[[], None],
 ) -> None:
     """Body of the ``nbengine-core`` thread (``emit``/``on_exit`` hold the engine weakly)."""
     error: str | None = None
@@ -175,7 +204,10 @@ def _core_thread_main(
         logger.exception("engine core loop crashed")
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        on_exit(error)
+        try:
+            on_exit(error)
+        finally:
+            on_thread_exit()
 
 
 def make_core_client(

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -66,6 +67,7 @@ T = TypeVar("T")
 
 _WAKE_S = 0.1
 _CORE_DEATH_GRACE_S = 2.0  # a dead core thread whose failure the loop has not delivered
+_SHUTDOWN_GRACE_S = 5.0  # a second shutdown() waits this much longer than the first may take
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -195,6 +197,7 @@ class Engine:
         self._dead: str | None = None  # why the engine can no longer serve (loop thread writes)
         self._closed = False
         self._shutdown_lock = threading.Lock()
+        self._shutdown_done = threading.Event()
         self._incarnations = itertools.count(1)
         self._auto_ids = itertools.count()
         # The processor reaches the engine through a weak reference, so that dropping
@@ -644,12 +647,30 @@ class Engine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop both threads, fail live requests (EngineDeadError), free the model.
 
-        Idempotent; safe from any thread except the engine's own.
+        Idempotent and safe from any thread: a call made while another shutdown runs
+        waits for that one to complete (TimeoutError after ``timeout`` plus a grace of a
+        few seconds). If the core is stuck inside a model step for longer than
+        ``timeout``, everything else is stopped and freed, a ``RuntimeWarning`` says what
+        is still running, and the core frees the model when its step returns.
         """
         with self._shutdown_lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
+        if not first:
+            if not self._on_engine_thread() and not self._shutdown_done.wait(
+                timeout + _SHUTDOWN_GRACE_S
+            ):
+                raise TimeoutError(
+                    f"The engine's shutdown, started by another caller, did not complete "
+                    f"within {timeout + _SHUTDOWN_GRACE_S:g} s."
+                )
+            return
+        try:
+            self._shutdown(timeout)
+        finally:
+            self._shutdown_done.set()
+
+    def _shutdown(self, timeout: float) -> None:
         _live_engines.discard(self)
         self._finalizer.detach()
         reason = "The engine has been shut down."
@@ -658,8 +679,9 @@ class Engine:
                 self._portal.call(self._shutdown_on_loop, reason)
             except Exception:
                 logger.exception("failing live requests at shutdown failed")
+        left: str | None = None
         try:
-            self._client.shutdown(timeout)
+            left = self._client.shutdown(timeout)
         except Exception:
             logger.exception("engine core shutdown failed")
         try:
@@ -667,6 +689,8 @@ class Engine:
         except Exception:
             logger.exception("closing the engine loop failed")
         self._monitor.shutdown()  # widgets show their final states, the UI updater stops
+        if left is not None:
+            warnings.warn(f"nbengine shutdown: {left}.", RuntimeWarning, stacklevel=3)
 
     def replicas(self) -> list[dict[str, Any]]:
         """Health of each engine core: one dict per replica (``alive``, ``unfinished``, ...)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +252,52 @@ def test_kv_pool_pressure_preempts_and_everyone_finishes(tiny_model: Path) -> No
             assert len(out.outputs[0].token_ids) == 8
         assert engine.step_stats().preemptions.sum() > 0
         assert_quiescent(engine)
+
+
+def test_shutdown_during_a_stuck_step_and_a_concurrent_second_shutdown(tiny_model: Path) -> None:
+    """shutdown(timeout) returns when a model step is stuck, frees what it can and says
+    what it could not; a second shutdown() called meanwhile waits for the first."""
+    engine = nb.Engine(str(tiny_model), **ENGINE_KW)
+    model = engine._core.runner.model  # type: ignore[attr-defined]
+    real_forward = model.forward
+    in_step, release = threading.Event(), threading.Event()
+
+    def stuck_forward(*args: Any, **kwargs: Any) -> Any:
+        if not release.is_set():
+            in_step.set()
+            release.wait(WAIT_S)
+        return real_forward(*args, **kwargs)
+
+    model.forward = stuck_forward
+    h = engine.generate("Once upon", _long())
+    assert in_step.wait(WAIT_S)
+    done: dict[str, Any] = {}
+
+    def first() -> None:
+        with pytest.warns(RuntimeWarning, match="still inside a model step") as record:
+            engine.shutdown(timeout=0.5)
+        done["first"] = record
+
+    def second() -> None:
+        engine.shutdown(timeout=WAIT_S)
+        done["second_saw_first"] = "first" in done
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    while not engine._closed:  # the first call has started
+        time.sleep(0.001)
+    t2 = threading.Thread(target=second)
+    t2.start()
+    t1.join(WAIT_S)
+    t2.join(WAIT_S)
+    assert not t1.is_alive() and not t2.is_alive()
+    assert done["second_saw_first"] is True  # the second returned only after the first
+    assert h.done() and not engine.is_alive
+    assert [t.name for t in threading.enumerate() if t.name == "nbengine-loop"] == []
+    core_thread = engine._core_thread
+    assert core_thread.is_alive()  # stuck in the step, as the warning said
+    release.set()  # the step returns: the core thread stops and frees the model itself
+    core_thread.join(WAIT_S)
+    assert not core_thread.is_alive()
+    assert engine._core._closed  # type: ignore[attr-defined]
+    _fresh_engine_works(tiny_model)
