@@ -145,10 +145,12 @@ def test_tokenizer_raising_while_decoding(tiny_model: Path) -> None:
     started = threading.Event()
 
     def failing_decode(ids: Any, skip_special_tokens: bool = True) -> str:
-        calls["n"] += 1
-        if calls["n"] >= 6:  # fails from now on, also while flushing text at the end
-            started.wait(WAIT_S)
-            raise RuntimeError("injected decode failure")
+        # Counted only once every request below is submitted: blocking the loop thread
+        # earlier would stall generate() itself on a slow machine.
+        if started.is_set():
+            calls["n"] += 1
+            if calls["n"] >= 6:  # fails from now on, also while flushing text at the end
+                raise RuntimeError("injected decode failure")
         return real_decode(ids, skip_special_tokens=skip_special_tokens)
 
     tokenizer.decode = failing_decode  # type: ignore[method-assign]
