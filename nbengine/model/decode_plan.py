@@ -161,7 +161,9 @@ def cache_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, 
 def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> DecodePlan | None:
     """A plan if every part of ``model`` runs natively (else None: use the module path)."""
-    kernels = native.kernels()
+    # Loaded already if the model runs natively at all (pack_linears built them for its
+    # bfloat16 weights); a float32 model must not trigger a build here.
+    kernels = native.loaded()
     a = model.args
     if kernels is None or a.qk_norm or a.hidden_act != "silu" or not kv_caches:
         return None

@@ -12,6 +12,14 @@ by a hash of the source, the flags and the compiler's version, so a changed file
 compiler builds anew and concurrent processes never see a half-written library (it is
 written to a temporary name and renamed). ctypes releases the GIL during every call.
 
+Integrity: next to each library a ``.sha256`` file records that key and the library's
+own SHA-256, written when it was built. A cached library is loaded only if both match
+and neither file is writable by other users; otherwise it is built again.
+
+Only on use: nothing is compiled or loaded until a bfloat16 path asks for a kernel, so a
+float32 engine never builds the library (``loaded()`` serves optional uses, such as the
+sampler's argmax, without triggering a build).
+
 When not: the kernels need x86-64 with AVX-512 BF16. Without it, without a compiler, with
 ``NBENGINE_NATIVE=0``, or if the build fails, ``kernels()`` returns ``None`` and callers
 keep their torch paths; ``unavailable_reason()`` says why. Every kernel has a plain-torch
@@ -215,6 +223,11 @@ def _unsupported() -> str | None:
     return None
 
 
+def loaded() -> NativeKernels | None:
+    """The kernels if an earlier ``kernels()`` call built and loaded them; never builds."""
+    return kernels() if kernels.cache_info().currsize else None
+
+
 @functools.lru_cache(maxsize=1)
 def kernels() -> NativeKernels | None:
     """The native kernels, built on first use; ``None`` where they are unavailable."""
@@ -252,18 +265,56 @@ def _build() -> Path:
     key = hashlib.sha256(source + " ".join(CFLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
     target = _cache_dir() / f"nbengine_kernels_{key}.so"
     if target.exists():
-        return target
+        problem = _cached_library_problem(target, key)
+        if problem is None:
+            return target
+        logger.warning("Rebuilding nbengine's native kernels: the cached %s %s.", target, problem)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    fd, tmp_sum = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
     os.close(fd)
     try:
         done = subprocess.run([compiler, *CFLAGS, str(SOURCE), *LIBS, "-o", tmp],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: other processes see the old name or a whole file
+        os.chmod(tmp, 0o755)
+        Path(tmp_sum).write_text(f"{key} {_sha256(Path(tmp))}\n")
+        # Atomic renames: other processes see the old names or whole files. The record
+        # goes first; a library that does not match it is simply built again.
+        os.replace(tmp_sum, _record_path(target))
+        os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp_sum):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     logger.info("Built nbengine's native kernels: %s", target)
     return target
+
+
+def _record_path(library: Path) -> Path:
+    return library.with_suffix(".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _cached_library_problem(library: Path, key: str) -> str | None:
+    """Why the cached ``library`` must not be loaded, or None if it is the one we built."""
+    record = _record_path(library)
+    for path in (library, record):
+        try:
+            mode = path.stat().st_mode
+        except OSError:
+            return f"has no integrity record ({record.name})"
+        if mode & 0o022:
+            return f"({path.name}) is writable by other users"
+    try:
+        recorded_key, digest = record.read_text().split()
+    except (OSError, ValueError):
+        return "has an unreadable integrity record"
+    if recorded_key != key or digest != _sha256(library):
+        return "does not match its integrity record"
+    return None

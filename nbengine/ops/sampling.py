@@ -212,10 +212,11 @@ def _sample_rows(
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
-    """``logits.argmax(dim=-1).tolist()``; natively for float32 rows (torch would wake a
-    second OpenMP thread for a 50k-entry row, which costs more than the scan)."""
+    """``logits.argmax(dim=-1).tolist()``; natively for float32 rows when the kernels are
+    loaded (torch would wake a second OpenMP thread for a 50k-entry row, which costs
+    more than the scan)."""
     if logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous():
-        k = native.kernels()
+        k = native.loaded()  # only where a bfloat16 model already built the kernels
         if k is not None:
             return k.argmax(logits)
     return logits.argmax(dim=-1).tolist()
