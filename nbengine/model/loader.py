@@ -29,6 +29,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nbengine.config import ModelConfig
+from nbengine.model.config_check import check_hf_config, check_inside
 from nbengine.model.errors import ModelLoadError
 from nbengine.model.gpt2 import GPT2Args, GPT2LMHeadModel
 from nbengine.model.llama import DecoderArgs, LlamaForCausalLM
@@ -205,9 +206,11 @@ def _weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ModelLoadError(f"Cannot read the shard index {index}: {exc}") from exc
-        files = sorted({path / f for f in weight_map.values()})
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"The shard index {index} has no weight_map object.")
+        files = sorted({check_inside(path, f, index) for f in weight_map.values()})
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f"Weight shard {f.name} listed in {index.name} is missing.")
@@ -267,6 +270,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     path = resolve_model_dir(config.model)
     cfg = read_hf_config(path)
     arch = architecture_of(cfg, path)
+    check_hf_config(cfg, path)
     tokenizer = Tokenizer.from_dir(path)  # validates tokenizer.json early
     dtype = resolve_dtype(config.dtype)
     max_len = _max_model_len(cfg, arch, config.max_model_len)

@@ -228,7 +228,51 @@ def _missing_tensor(d: Path) -> None:
     save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _config_field(name: str, value: Any) -> Any:
+    def breaker(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg[name] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    breaker.__name__ = f"_{name}={value!r}"
+    return breaker
+
+
+def _sharded_outside(name: str) -> Any:
+    """A shard index naming a file outside the model directory (which exists there)."""
+    def breaker(d: Path) -> None:
+        outside = d.parent / "outside.safetensors"
+        shutil.copy(d / "model.safetensors", outside)
+        (d / "model.safetensors").rename(d / "shard-1.safetensors")
+        from safetensors import safe_open
+
+        with safe_open(str(d / "shard-1.safetensors"), framework="pt") as f:
+            keys = list(f.keys())
+        target = str(outside) if name == "absolute" else "../outside.safetensors"
+        index = {"weight_map": {k: (target if i == 0 else "shard-1.safetensors")
+                                for i, k in enumerate(keys)}}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    breaker.__name__ = f"_index_{name}_path"
+    return breaker
+
+
 BROKEN_DIRS = [
+    (_config_field("num_attention_heads", 0), ModelLoadError,
+     "num_attention_heads must be a positive integer, got 0"),
+    (_config_field("max_position_embeddings", -5), ModelLoadError,
+     "max_position_embeddings must be a positive integer, got -5"),
+    (_config_field("rms_norm_eps", None), ModelLoadError,
+     "rms_norm_eps must be a positive finite number, got None"),
+    (_config_field("hidden_size", "64"), ModelLoadError, "hidden_size must be a positive integer"),
+    (_config_field("num_key_value_heads", 3), ModelLoadError,
+     "must be a multiple of num_key_value_heads (3)"),
+    (_config_field("rope_theta", float("inf")), ModelLoadError, "rope_theta must be a positive"),
+    (_config_field("tie_word_embeddings", "yes"), ModelLoadError,
+     "tie_word_embeddings must be true or false"),
+    (_config_field("rope_scaling", [1]), ModelLoadError, "rope_scaling must be an object"),
+    (_sharded_outside("absolute"), ModelLoadError, "which is outside the model directory"),
+    (_sharded_outside("dotdot"), ModelLoadError, "which is outside the model directory"),
     (_corrupt_config, ModelLoadError, "Cannot parse"),
     (_no_config, ModelLoadError, "config.json"),
     (_garbage_weights, ModelLoadError, "Cannot open weight file"),
