@@ -10,7 +10,8 @@ abort on the engine loop without waiting for it.
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING, Any, cast
 
 import ipywidgets as widgets
 
@@ -177,6 +178,24 @@ def make_handle_widget(handle: RequestHandle, updater: UIUpdater) -> HandleWidge
         done = view.refresh()  # the current state at once, before the first tick
     if not done:
         updater.add(view)
+    return widget
+
+
+class _NoUpdates:
+    """Stands in for the UI updater of an engine that no longer exists."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+def final_handle_widget(handle: RequestHandle) -> HandleWidget:
+    """The widget of a finished handle whose engine is gone: its final state, no updates."""
+    widget = getattr(handle, "_widget", None)
+    if widget is None:
+        widget = HandleWidget(handle.request_id)
+        view = HandleView(handle, widget, cast("UIUpdater", _NoUpdates()))
+        view.refresh()
+        handle._widget = widget  # type: ignore[attr-defined]
     return widget
 
 

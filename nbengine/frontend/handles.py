@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,12 @@ class RequestHandle:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = arrival_time
-        self._engine = engine
+        # A live request keeps its engine alive (docs/reliability.md); a finished one must
+        # not: widgets and IPython's Out[n] keep handles for the kernel's life, and they
+        # would keep a re-created engine's predecessor, its threads and model with it.
+        # So the strong reference is dropped when the final output arrives.
+        self._engine_strong: Engine | None = engine
+        self._engine_weak = weakref.ref(engine) if engine is not None else None
         self._cond = threading.Condition(threading.Lock())
         self._pending: RequestOutput | None = None  # stream outputs not yet taken, merged
         self._stream_done = False  # the finished output has been taken by the consumer
@@ -106,6 +112,16 @@ class RequestHandle:
         self._consumer_claimed = False
         self._wakers: list[Callable[[], None]] = []
         self._done_callbacks: list[Callable[[RequestHandle], None]] = []
+
+    @property
+    def _engine(self) -> Engine:
+        """The engine (EngineDeadError once a finished handle's engine is gone)."""
+        engine = self._engine_strong
+        if engine is None and self._engine_weak is not None:
+            engine = self._engine_weak()
+        if engine is None:
+            raise EngineDeadError(f"The engine of request {self.request_id!r} no longer exists.")
+        return engine
 
     # ------------------------------------------------------------------ state
 
@@ -198,7 +214,13 @@ class RequestHandle:
     def widget(self) -> HandleWidget:
         """The live widget of this request (text, status badge, tokens/s, Cancel button);
         one per handle, created on the calling thread."""
-        return self._engine._monitor.handle_widget(self)
+        try:
+            engine = self._engine
+        except EngineDeadError:  # finished, and its engine was freed: show the final state
+            from nbengine.dashboard.handle_widget import final_handle_widget
+
+            return final_handle_widget(self)
+        return engine._monitor.handle_widget(self)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         """In a notebook a handle shows its widget; the text/plain form stays
@@ -227,6 +249,7 @@ class RequestHandle:
             if final is not None:
                 self._status = final.status
                 self._final = final
+                self._engine_strong = None  # see __init__
             self._cond.notify_all()
             wakers, self._wakers = self._wakers, []
             callbacks = list(self._done_callbacks) if final is not None else []
@@ -347,12 +370,16 @@ class RequestHandle:
         completes later). ``wait=False`` only requests the abort and returns None at once
         (for UI callbacks); the final output then arrives through the handle as usual.
         """
+        if self._final is not None:
+            return self._final
         if not wait:
             self._engine._abort_handle_nowait(self)
             return self._final
         return self._engine._abort_handle(self, timeout)
 
     def _cancel_quietly(self, block: bool) -> None:
+        if self._final is not None:
+            return
         try:
             if block and not self._engine._on_engine_thread():
                 self._engine._abort_handle(self, None)
@@ -422,6 +449,8 @@ class RequestHandle:
 
     async def cancel_async(self) -> RequestOutput | None:
         """Abort this request and await the core's confirmation; return the final output."""
+        if self._final is not None:
+            return self._final
         return await self._engine._abort_handle_async(self)
 
 

@@ -146,6 +146,26 @@ def test_reexecuting_the_engine_cell(kernel: Kernel) -> None:
     assert kernel.json("engine_threads()") == []
 
 
+def test_displayed_handles_do_not_keep_a_reexecuted_engine_alive(kernel: Kernel) -> None:
+    """The README's flow: display a handle (its widget then lives in the ipywidgets
+    registry, the handle in Out[n]), let it finish, re-execute the engine cell. The old
+    engine is freed: a finished handle holds its engine only weakly."""
+    kernel.run("engine = nb.Engine(MODEL, **KW)")
+    shown = kernel.run("h = engine.generate('Once upon', nb.SamplingParams(max_tokens=6, "
+                       "ignore_eos=True), request_id='shown')\nh")
+    assert "RequestHandle(request_id='shown')" in shown
+    assert kernel.json("type(h.widget()).__name__") == "HandleWidget"
+    assert kernel.json("len(h.result(60).outputs[0].token_ids)") == 6
+    kernel.run("engine = nb.Engine(MODEL, **KW)")
+    kernel.run("settle()")
+    assert kernel.json("engine_threads()") == ["nbengine-core", "nbengine-loop"]
+    # The old handle still shows its final state (its widget needs no engine).
+    assert kernel.json("[h.text == h.final_output.outputs[0].text, h.status.name]") == \
+        [True, "FINISHED_LENGTH_CAPPED"]
+    kernel.run("engine.shutdown(); settle()")
+    assert kernel.json("engine_threads()") == []
+
+
 def test_memory_returns_after_shutdown(kernel: Kernel) -> None:
     # A KV cache big enough to see: 40000 blocks x 16 tokens x 2 layers x K,V x 2 heads x 8
     # floats = 312 MiB allocated (zero pages are committed lazily: RSS grows ~180 MiB).
