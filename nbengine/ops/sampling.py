@@ -15,7 +15,10 @@ Order of operations (as vLLM's v1 sampler):
 
 Randomness: a request with ``params.seed`` draws only from its own ``torch.Generator``
 (``Request.generator``, created lazily from the seed), one uniform per step, so its
-tokens do not depend on what else is in the batch.
+random numbers do not depend on what else is in the batch. Its tokens still can: the
+logits themselves differ in their last bits with the batch's size and mix (matrix
+products block their sums by shape), which flips a draw that lands near a boundary of
+the CDF. docs/api.md ("seed") gives the measured rates.
 Unseeded rows draw from the sampler's generator, seeded from ``ModelConfig.seed``.
 """
 
