@@ -165,6 +165,10 @@ def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tenso
     a = model.args
     if kernels is None or a.qk_norm or a.hidden_act != "silu" or not kv_caches:
         return None
+    # The kernel rotates whole heads in every layer, with pre-norm blocks (sliding windows
+    # are checked per step by the model: the plan runs while every context fits in them).
+    if a.post_norm or model.rotary.rotary_dim != a.head_dim or not all(a.layer_rope or (True,)):
+        return None
     if not native.NativeKernels.cached_attention_supports(a.num_heads, a.num_kv_heads, a.head_dim):
         return None
     if model.rotary.cos.dtype != torch.float32:

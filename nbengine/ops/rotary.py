@@ -208,6 +208,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self._spec = (max_positions, theta, scaling, model_max_positions)
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """(Re)compute the float32 tables (``model.to(dtype)`` casts buffers; the loader
+        calls this afterwards so the tables stay float32 for exactness)."""
+        max_positions, theta, scaling, model_max_positions = self._spec
         # The tables are always computed on the CPU: under a meta-device context (the
         # loader builds models there) torch would route these ops through its Python
         # reference kernels, which import torch._dynamo (seconds per process).
@@ -220,9 +230,7 @@ class RotaryEmbedding(nn.Module):
             if attention != 1.0:
                 cos, sin = cos * attention, sin * attention
         # Tables hold the half-dimension; apply() duplicates through broadcasting.
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.inv_freq, self.cos, self.sin = inv_freq, cos, sin
         self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
