@@ -30,6 +30,7 @@ from torch import nn
 
 from nbengine.config import ModelConfig
 from nbengine.model.errors import ModelLoadError
+from nbengine.model.gemma import GEMMA_ACTIVATIONS, GEMMA_ARCHITECTURES, GemmaArgs, GemmaForCausalLM
 from nbengine.model.gpt2 import GPT2Args, GPT2LMHeadModel
 from nbengine.model.llama import DecoderArgs, LlamaForCausalLM
 from nbengine.model.tokenizer import Tokenizer
@@ -50,7 +51,7 @@ _LLAMA_FAMILY = (
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
 )
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*_LLAMA_FAMILY, "GPT2LMHeadModel")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*_LLAMA_FAMILY, *GEMMA_ARCHITECTURES, "GPT2LMHeadModel")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,6 +161,8 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
                     "are not supported."
                 )
             return _without_init(lambda: GPT2LMHeadModel(gargs))
+        if arch in GEMMA_ARCHITECTURES:
+            return _build_gemma(GemmaArgs.from_hf(cfg, arch, max_positions), path)
         dargs = DecoderArgs.from_hf(cfg, arch, max_positions)
     except KeyError as exc:
         raise ModelLoadError(f"{path / 'config.json'} lacks the field {exc.args[0]!r}.") from exc
@@ -175,6 +178,22 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
     try:
         return _without_init(lambda: LlamaForCausalLM(dargs))
     except (KeyError, ValueError) as exc:  # e.g. rope scaling parameters that do not fit
+        raise ModelLoadError(f"Bad rope settings in {path / 'config.json'}: {exc}") from exc
+
+
+def _build_gemma(gargs: GemmaArgs, path: Path) -> nn.Module:
+    if gargs.hidden_act not in GEMMA_ACTIVATIONS:
+        raise ModelLoadError(f"Unsupported Gemma hidden_activation {gargs.hidden_act!r} "
+                             f"(supported: {', '.join(GEMMA_ACTIVATIONS)}).")
+    if gargs.num_heads % gargs.num_kv_heads:
+        raise ModelLoadError("num_attention_heads must be a multiple of num_key_value_heads.")
+    for _, scaling in gargs.layer_rope:
+        if rope_type_of(scaling) not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(f"Unsupported rope scaling {rope_type_of(scaling)!r}; "
+                                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    try:
+        return _without_init(lambda: GemmaForCausalLM(gargs))
+    except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"Bad rope settings in {path / 'config.json'}: {exc}") from exc
 
 

@@ -1,0 +1,106 @@
+"""Greedy float32 parity with transformers for the newer architectures, sliding windows and
+RoPE scalings, on tiny random checkpoints written by transformers itself (hf_tiny.py).
+
+Windows are 8 tokens and blocks 4, so the long prompt (and every generation) crosses the
+window and block boundaries; chunked prefill runs chunks over a cached prefix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_tiny import make_hf_model
+from nbe_driver import Driver
+
+from nbengine.config import EngineConfig
+from nbengine.model.runner import ModelRunner
+from nbengine.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [1.0 + 0.7 * i for i in range(6)]}
+
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # name: (arch, config fields, runner options)
+    "mistral-window": ("mistral", {"sliding_window": 8}, {}),
+    "qwen2-mixed-window-yarn": ("qwen2", {
+        "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    }, {}),
+    "llama-dynamic-rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, {}),
+    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                          "tie_word_embeddings": False}, {}),
+    "gemma3": ("gemma3", {"sliding_window": 8, "query_pre_attn_scalar": 24,
+                          "tie_word_embeddings": False,
+                          "layer_types": ["sliding_attention", "sliding_attention",
+                                          "full_attention", "sliding_attention"],
+                          "rope_parameters": {
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                              "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                 "rope_theta": 1000.0}}}, {}),
+    # Phi-4-mini-like: partial rotary (3/4 of each head), longrope; short factors apply
+    # while max_model_len stays within original_max_position_embeddings.
+    "phi3-longrope-short": ("phi3", {"partial_rotary_factor": 0.75,
+                                     "original_max_position_embeddings": 64,
+                                     "rope_scaling": LONGROPE}, {"max_model_len": 64}),
+    "phi3-window": ("phi3", {"sliding_window": 8}, {}),
+    "smollm3": ("smollm3", {"no_rope_layers": [1, 0, 1, 0]}, {}),
+    "olmo2": ("olmo2", {}, {}),
+}
+TEXTS = [
+    "Once upon a time, in a small village at the edge of a great forest, there lived a girl",
+    "The quick brown fox",
+    "Hi",
+]
+N_NEW = 20
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Setup:
+    def __init__(self, path: Path, **runner: Any) -> None:
+        self.runner = ModelRunner(EngineConfig.from_kwargs(
+            path, dtype="float32", block_size=4, num_kv_blocks=96, max_num_seqs=8, **runner))
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager").eval()
+        self.hf.generation_config.eos_token_id = None  # never stop early
+        self.prompts = [self.runner.tokenizer.encode(t) for t in TEXTS]
+        self._ref: dict[int, list[int]] = {}
+
+    def hf_greedy(self, i: int) -> list[int]:
+        if i not in self._ref:
+            p = self.prompts[i]
+            with torch.no_grad():
+                out = self.hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False,
+                                       pad_token_id=0)
+            self._ref[i] = out[0, len(p):].tolist()
+        return self._ref[i]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    arch, cfg, runner = CASES[request.param]
+    path = make_hf_model(tmp_path_factory.mktemp(request.param), arch, seed=1, **cfg)
+    return Setup(path, **runner)
+
+
+def test_prompts_cross_the_window() -> None:
+    assert len(TEXTS[0]) > 40  # the long prompt alone spans several 8-token windows
+
+
+def test_greedy_matches_transformers(setup: Setup) -> None:
+    assert len(setup.prompts[0]) > 8
+    got = Driver(setup.runner, stop_at_eos=False).generate(setup.prompts, GREEDY, N_NEW)
+    refs = [setup.hf_greedy(i) for i in range(3)]
+    assert got == refs
+    assert len(set(refs[0])) > 3, "tiny model should not repeat one token"
+
+
+def test_chunked_prefill_matches_transformers(setup: Setup) -> None:
+    d = Driver(setup.runner, chunk_size=3, stop_at_eos=False)
+    got = d.generate(setup.prompts, GREEDY, N_NEW)
+    assert got == [setup.hf_greedy(i) for i in range(3)]
+    assert any(c.start_pos > 8 and c.num_tokens > 1 for b in d.steps for c in b.chunks)
