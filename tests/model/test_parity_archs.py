@@ -151,3 +151,21 @@ def test_engine_frees_blocks_behind_the_window_and_matches_transformers(
         assert most <= (8 + 8) // 4 + 2 < full
     else:
         assert most == full, "a global layer needs every block: none is freed"
+
+
+def test_phi3_longrope_long_factors_match_transformers_past_the_original_length(
+        tmp_path: Path) -> None:
+    # max_model_len (256) exceeds original_max_position_embeddings (8): the long factors
+    # apply everywhere, as in transformers for a prompt already past 8 tokens.
+    path = make_hf_model(tmp_path / "phi3", "phi3", seed=3, partial_rotary_factor=0.75,
+                         original_max_position_embeddings=8, rope_scaling=LONGROPE)
+    s = Setup(path)
+    from nbengine.ops.rotary import rope_parameters
+
+    spec = {**LONGROPE, "original_max_position_embeddings": 8}
+    short, _ = rope_parameters(12, 10000.0, spec, max_positions=8, model_max_positions=256)
+    long, _ = rope_parameters(12, 10000.0, spec, max_positions=256, model_max_positions=256)
+    assert torch.equal(s.runner.model.rotary.inv_freq, long) and not torch.equal(long, short)
+    got = Driver(s.runner, chunk_size=5, stop_at_eos=False).generate(s.prompts[:2], GREEDY, N_NEW)
+    assert got == [s.hf_greedy(0), s.hf_greedy(1)]
+    assert all(len(p) > 8 for p in s.prompts[:2])
