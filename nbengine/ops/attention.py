@@ -106,11 +106,14 @@ class AttentionMetadata:
         default_factory=dict, init=False, repr=False)
     _token_tables: tuple[torch.Tensor | None, torch.Tensor | None] | None = field(
         default=None, init=False, repr=False)
+    _max_seq_len: int | None = field(default=None, init=False, repr=False)
 
     @property
     def max_seq_len(self) -> int:
         """The longest context any token of the step attends to (its position + 1)."""
-        return max((c.start_pos + c.num_tokens for c in self.chunks), default=0)
+        if self._max_seq_len is None:
+            self._max_seq_len = max((c.start_pos + c.num_tokens for c in self.chunks), default=0)
+        return self._max_seq_len
 
     def effective_window(self, window: int | None) -> int | None:
         """``window``, or None when every context of the step fits in it (full attention)."""

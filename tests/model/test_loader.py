@@ -184,3 +184,27 @@ def test_default_model_dir_resolution() -> None:
     else:
         with pytest.raises(FileNotFoundError, match="default model"):
             resolve_model_dir(None)
+
+
+def _edit_config(path: Path, **changes: object) -> Path:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_unsupported_gemma_activation_and_bad_longrope_are_named(tmp_path: Path) -> None:
+    d = _edit_config(make_tiny_model(tmp_path / "g", "llama"), architectures=["Gemma2ForCausalLM"],
+                     head_dim=16, hidden_activation="relu")
+    with pytest.raises(ModelLoadError, match="hidden_activation 'relu'"):
+        load_model(ModelConfig(model=d))
+    d2 = _edit_config(make_tiny_model(tmp_path / "p", "llama"), architectures=["Phi3ForCausalLM"],
+                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.0],
+                                    "long_factor": [1.0, 1.0],
+                                    "original_max_position_embeddings": 64})
+    with pytest.raises(ModelLoadError, match="longrope factors"):
+        load_model(ModelConfig(model=d2))
+    d3 = _edit_config(make_tiny_model(tmp_path / "r", "llama"),
+                      rope_scaling={"rope_type": "mrope", "factor": 2.0})
+    with pytest.raises(ModelLoadError, match="'mrope'"):
+        load_model(ModelConfig(model=d3))

@@ -169,3 +169,22 @@ def test_phi3_longrope_long_factors_match_transformers_past_the_original_length(
     got = Driver(s.runner, chunk_size=5, stop_at_eos=False).generate(s.prompts[:2], GREEDY, N_NEW)
     assert got == [s.hf_greedy(0), s.hf_greedy(1)]
     assert all(len(p) > 8 for p in s.prompts[:2])
+
+
+def test_gemma3_legacy_config_fields_match_transformers(tmp_path: Path) -> None:
+    # Configs written before layer_types / per-type rope_parameters: sliding_window_pattern,
+    # rope_theta + rope_scaling for global layers, rope_local_base_freq for sliding ones.
+    import json
+
+    path = make_hf_model(tmp_path / "g3", "gemma3", seed=4, sliding_window=8,
+                         query_pre_attn_scalar=24, tie_word_embeddings=False)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
+        cfg.pop(key, None)
+    cfg.update(rope_theta=1000.0, rope_local_base_freq=10.0, sliding_window_pattern=2,
+               rope_scaling={"rope_type": "linear", "factor": 2.0})
+    (path / "config.json").write_text(json.dumps(cfg))
+    s = Setup(path)
+    assert s.runner.model.layer_windows == (8, None, 8, None)
+    got = Driver(s.runner, chunk_size=5, stop_at_eos=False).generate(s.prompts, GREEDY, N_NEW)
+    assert got == [s.hf_greedy(i) for i in range(3)]
