@@ -27,8 +27,8 @@ from torch import nn
 
 from nbengine.model.decode_plan import DecodePlan, cache_key, build_decode_plan
 from nbengine.model.weights import WeightMap
-from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.model.weights import WeightSource as W
+from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.ops.activation import silu_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
 from nbengine.ops.linear import NativeLinear
@@ -138,7 +138,8 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj.forward(x)
-        if self.qk_norm_full or self.rotary is None:
+        rotary = self.rotary
+        if self.qk_norm_full or rotary is None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             norms = None if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm)
             if norms is not None and self.qk_norm_full:  # over all heads at once
@@ -148,13 +149,13 @@ class DecoderAttention(nn.Module):
             v = v.reshape(n, self.num_kv_heads, self.head_dim)
             if norms is not None and not self.qk_norm_full:  # per head
                 q, k = norms[0](q), norms[1](k)
-            if self.rotary is not None:
-                q, k = self.rotary(positions, q, k)
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
         elif self.q_norm is None:
             # q and k sit side by side in qkv: rotate them in one pass (same elementwise ops).
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 n, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = self.rotary.rotate(positions, qk).split(
+            q, k = rotary.rotate(positions, qk).split(
                 [self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         else:
@@ -163,7 +164,7 @@ class DecoderAttention(nn.Module):
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
             assert self.k_norm is not None
-            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
+            q, k = rotary(positions, self.q_norm(q), self.k_norm(k))
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         return self.o_proj.forward(o.view(n, self.q_size))
 
@@ -239,6 +240,8 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = a.num_kv_heads
         self.head_dim = a.head_dim
         self.layer_windows: tuple[int | None, ...] = a.layer_windows or (None,) * a.num_layers
+        windows = [w for w in self.layer_windows if w is not None]
+        self._min_window: int | None = min(windows) if windows else None
         self.rotary = RotaryEmbedding(a.head_dim, a.max_positions, a.rope_theta, a.rope_scaling,
                                       a.rotary_dim or a.head_dim, a.model_max_positions)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
@@ -297,8 +300,7 @@ class LlamaForCausalLM(nn.Module):
         sliding-window layers equal only while every context fits in their window."""
         if not self.decode_plans_enabled:
             return False
-        windows = [w for w in self.layer_windows if w is not None]
-        return not windows or meta.max_seq_len <= min(windows)
+        return self._min_window is None or meta.max_seq_len <= self._min_window
 
     def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan | None:
         plan = self._plan
