@@ -20,6 +20,7 @@ HF_CLASSES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
 }

@@ -48,7 +48,11 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                                      "original_max_position_embeddings": 64,
                                      "rope_scaling": LONGROPE}, {"max_model_len": 64}),
     "phi3-window": ("phi3", {"sliding_window": 8}, {}),
-    "smollm3": ("smollm3", {"no_rope_layers": [1, 0, 1, 0]}, {}),
+    "qwen3-every-layer-windowed": ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
+                                             "max_window_layers": 0}, {}),
+    # The layers without rope are the windowed ones (transformers' default layer_types).
+    "smollm3-window": ("smollm3", {"no_rope_layers": [1, 0, 1, 0], "use_sliding_window": True,
+                                   "sliding_window": 8}, {}),
     "olmo2": ("olmo2", {}, {}),
 }
 TEXTS = [
@@ -89,6 +93,15 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def test_prompts_cross_the_window() -> None:
     assert len(TEXTS[0]) > 40  # the long prompt alone spans several 8-token windows
+
+
+def test_layer_windows_are_the_ones_transformers_uses(setup: Setup) -> None:
+    cfg = setup.hf.config
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * n
+    expected = tuple(window if window and t == "sliding_attention" else None for t in types)
+    assert setup.runner.model.layer_windows == expected
 
 
 def test_greedy_matches_transformers(setup: Setup) -> None:
