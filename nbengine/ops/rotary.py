@@ -71,9 +71,11 @@ def rope_parameters(
     if rope_type == "longrope":
         return _longrope(head_dim, theta, scaling, max_positions, model_max_positions)
     if rope_type == "dynamic":
+        # transformers rescales only past max_position_embeddings (see the module docstring).
         ref_len = model_max_positions or int(scaling.get("original_max_position_embeddings") or 0)
-        served = max_positions or ref_len
-        return _dynamic_ntk(head_dim, theta, float(scaling["factor"]), ref_len, served), 1.0
+        if not ref_len or max_positions is None or max_positions <= ref_len:
+            return inv_freq, 1.0
+        return _dynamic_ntk(head_dim, theta, float(scaling["factor"]), ref_len, max_positions), 1.0
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return inv_freq / factor, 1.0
@@ -96,8 +98,7 @@ def rope_parameters(
 
 def _dynamic_ntk(dim: int, theta: float, factor: float, ref_len: int, seq_len: int
                  ) -> torch.Tensor:
-    """NTK-aware base rescaling for a sequence of ``seq_len`` (none up to ``ref_len``)."""
-    seq_len = max(seq_len, ref_len)
+    """NTK-aware base rescaling for a sequence of ``seq_len`` > ``ref_len`` positions."""
     base = theta * ((factor * seq_len / ref_len) - (factor - 1)) ** (dim / (dim - 2))
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
 
