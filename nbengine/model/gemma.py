@@ -33,7 +33,7 @@ from nbengine.model.windows import layer_types, layer_windows
 from nbengine.ops.activation import gelu_tanh_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
 from nbengine.ops.linear import NativeLinear
-from nbengine.ops.rotary import RotaryEmbedding
+from nbengine.ops.rotary import RotaryEmbedding, with_original_length
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -104,15 +104,15 @@ def _layer_rope(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[RopeSp
     types = layer_types(cfg, arch, num_layers)
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
         # Newer configs: one rope_parameters dict per layer type.
-        per_type = {t: (float(p.get("rope_theta", 10000.0)), p) for t, p in params.items()
-                    if isinstance(p, dict)}
+        per_type = {t: (float(p.get("rope_theta", 10000.0)), with_original_length(p, cfg))
+                    for t, p in params.items() if isinstance(p, dict)}
         return tuple(per_type.get(t, per_type["full_attention"]) for t in types)
     flat = params if isinstance(params, dict) else None
     theta = cfg.get("rope_theta")
     if theta is None and flat is not None:
         theta = flat.get("rope_theta")
     global_rope: RopeSpec = (float(theta if theta is not None else 10000.0),
-                             cfg.get("rope_scaling") or flat)
+                             with_original_length(cfg.get("rope_scaling") or flat, cfg))
     if arch != "Gemma3ForCausalLM":
         return (global_rope,) * num_layers
     local_rope: RopeSpec = (float(cfg.get("rope_local_base_freq", 10000.0)), None)

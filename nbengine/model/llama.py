@@ -33,7 +33,7 @@ from nbengine.ops.activation import silu_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
 from nbengine.ops.linear import NativeLinear
 from nbengine.ops.rms_norm import RMSNorm
-from nbengine.ops.rotary import RotaryEmbedding
+from nbengine.ops.rotary import RotaryEmbedding, with_original_length
 
 
 @dataclass(slots=True)
@@ -81,10 +81,7 @@ class DecoderArgs:
         partial = cfg.get("partial_rotary_factor")
         if partial is None and rope_params is not None:
             partial = rope_params.get("partial_rotary_factor")
-        if isinstance(scaling, dict) and "original_max_position_embeddings" not in scaling \
-                and cfg.get("original_max_position_embeddings") is not None:
-            # Phi-3 keeps it beside rope_scaling (longrope needs it).
-            scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+        scaling = with_original_length(scaling, cfg)  # Phi-3 keeps it beside rope_scaling
         layers = int(cfg["num_hidden_layers"])
         olmo2 = arch == "Olmo2ForCausalLM"
         return cls(

@@ -162,6 +162,24 @@ def _longrope(dim: int, theta: float, scaling: dict[str, Any], max_positions: in
     return 1.0 / (ext * theta**shape), float(attention)
 
 
+def with_original_length(scaling: dict[str, Any] | None, cfg: dict[str, Any]
+                         ) -> dict[str, Any] | None:
+    """``scaling`` with the ``original_max_position_embeddings`` transformers would use.
+
+    For ``llama3``, ``yarn`` and ``longrope``, a top-level config field of that name wins
+    (Phi-3 keeps it there), else the scaling's own, else ``max_position_embeddings``.
+    """
+    if rope_type_of(scaling) not in ("llama3", "yarn", "longrope"):
+        return scaling
+    assert scaling is not None
+    top = cfg.get("original_max_position_embeddings")
+    if top is not None:
+        return {**scaling, "original_max_position_embeddings": top}
+    if scaling.get("original_max_position_embeddings") is None and cfg.get("max_position_embeddings"):
+        return {**scaling, "original_max_position_embeddings": cfg["max_position_embeddings"]}
+    return scaling
+
+
 def rope_type_of(scaling: dict[str, Any] | None) -> str:
     """The scaling type named by an HF ``rope_scaling``/``rope_parameters`` dict
     (legacy names: ``su`` is ``longrope``)."""

@@ -122,3 +122,18 @@ def test_partial_rotary_rotates_the_leading_channels_only() -> None:
     torch.testing.assert_close(q1[..., :12], q2)
     torch.testing.assert_close(k1[..., :12], k2)
     assert torch.equal(q1[..., 12:], q[..., 12:]) and torch.equal(k1[..., 12:], k[..., 12:])
+
+
+def test_original_length_resolved_as_transformers_does() -> None:
+    from nbengine.ops.rotary import with_original_length
+
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    cfg = {"max_position_embeddings": 4096}
+    assert with_original_length(yarn, cfg)["original_max_position_embeddings"] == 4096
+    phi = {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+           "original_max_position_embeddings": 1024}
+    top = {"max_position_embeddings": 4096, "original_max_position_embeddings": 2048}
+    assert with_original_length(phi, top)["original_max_position_embeddings"] == 2048
+    assert with_original_length(phi, cfg) is phi
+    linear = {"rope_type": "linear", "factor": 2.0}
+    assert with_original_length(linear, top) is linear
