@@ -237,8 +237,6 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = a.num_kv_heads
         self.head_dim = a.head_dim
         self.layer_windows: tuple[int | None, ...] = a.layer_windows or (None,) * a.num_layers
-        windows = [w for w in self.layer_windows if w is not None]
-        self._min_window: int | None = min(windows) if windows else None
         self.rotary = RotaryEmbedding(a.head_dim, a.max_positions, a.rope_theta, a.rope_scaling,
                                       a.rotary_dim or a.head_dim, a.model_max_positions)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
@@ -266,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
         x = self.embed_tokens(input_ids)
-        if meta.num_decodes == x.shape[0] and self._plan_fits(meta):
+        if meta.num_decodes == x.shape[0] and self.decode_plans_enabled:
             plan = self._decode_plan(kv_caches)
             if plan is not None:  # every layer in one native call (model/decode_plan.py)
                 x, res = plan.run(x, positions, meta)
@@ -285,19 +283,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | None:
         """float32 logits of every row of a decode-only step, from one native call (the
         layers, the final norm and lm_head); ``None`` where the plan cannot do it."""
-        if meta.num_decodes != input_ids.shape[0] or not self._plan_fits(meta):
+        if meta.num_decodes != input_ids.shape[0] or not self.decode_plans_enabled:
             return None
         plan = self._decode_plan(kv_caches)
         if plan is None or not plan.has_lm_head:
             return None
         return plan.logits(self.embed_tokens(input_ids), positions, meta)
 
-    def _plan_fits(self, meta: AttentionMetadata) -> bool:
-        """Whether a decode plan may run this step: its attention is full attention, which
-        sliding-window layers equal only while every context fits in their window."""
-        if not self.decode_plans_enabled:
-            return False
-        return self._min_window is None or meta.max_seq_len <= self._min_window
 
     def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan | None:
         plan = self._plan

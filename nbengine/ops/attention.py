@@ -33,8 +33,9 @@ Sliding-window layers (``window=w``: the query at position ``p`` sees keys ``p -
 transformers' convention) gather only the blocks that hold those keys and mask the rest,
 so blocks that fell out of every window may already be back in the pool (the KV cache
 manager frees them for models whose every layer is windowed; their block-table entries
-then name a placeholder that is never read). Windowed steps run on the SDPA path; a step
-whose every context fits in the window is full attention and takes the usual paths.
+then name a placeholder that is never read). The native kernel does the same: it starts
+each token's keys at its window. A step whose every context fits in the window is full
+attention.
 Logit soft-capping (``softcap=c``: scores become ``c * tanh(s / c)`` before the mask,
 Gemma 2) runs the same gathers through an explicit softmax instead of SDPA.
 """
@@ -345,9 +346,8 @@ def paged_attention(
     flat_v = v_cache.view(-1, n_kv, hd)
 
     nd = meta.num_decodes
-    # The native kernel attends to every key up to the query: full attention only.
-    plain = window is None and softcap is None
-    kernels = _native_attention(q, k_cache, meta) if plain else None
+    # The native kernel does full and sliding-window attention, without soft-capping.
+    kernels = _native_attention(q, k_cache, meta) if softcap is None else None
     if kernels is not None:
         # Decodes, and prefill chunks over short contexts, in one call. Past
         # NATIVE_PREFILL_MAX_KEYS keys SDPA's matmuls beat re-reading the keys per query.
@@ -357,7 +357,7 @@ def paged_attention(
         assert meta.token_block_tables is not None and meta.token_seq_lens is not None
         if rows:
             kernels.cached_attention(q[:rows], k_cache, v_cache, meta.token_block_tables[:rows],
-                                     meta.token_seq_lens[:rows], scale, out[:rows])
+                                     meta.token_seq_lens[:rows], scale, out[:rows], window)
         if not long_prefill:
             return out
     elif nd:

@@ -81,23 +81,26 @@ def test_sliding_window_and_softcap(window: int, softcap: float | None) -> None:
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_sliding_window_bfloat16_close_to_reference() -> None:
-    # bfloat16 past the window leaves the native kernel for the windowed SDPA path.
-    spec = [(0, 1), (13, 1), (0, 12), (9, 6)]
-    ref, fast = _run_both(spec, 4, 2, 16, 4, seed=4, dtype=torch.bfloat16, window=5)
+@pytest.mark.parametrize("window", [1, 5, 17, 40])
+def test_sliding_window_bfloat16_close_to_reference(window: int) -> None:
+    # The native kernel (where available) starts each token's keys at its window.
+    spec = [(0, 1), (13, 1), (37, 1), (0, 12), (9, 6), (20, 3)]
+    ref, fast = _run_both(spec, 4, 2, 32, 4, seed=4, dtype=torch.bfloat16, window=window)
     torch.testing.assert_close(fast.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_sliding_window_never_reads_blocks_before_the_window() -> None:
-    # Blocks wholly before every window may already be reused: poison them, same result.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_never_reads_blocks_before_the_window(dtype: torch.dtype) -> None:
+    # Blocks wholly before every window may already be reused: poison them, same result
+    # (bfloat16: the native kernel where available, else SDPA).
     g = torch.Generator().manual_seed(0)
-    bs, n_kv, hd, window = 4, 2, 8, 5
-    k_cache = torch.randn(16, bs, n_kv, hd, generator=g)
-    v_cache = torch.randn(16, bs, n_kv, hd, generator=g)
+    bs, n_kv, hd, window = 4, 2, 32, 5
+    k_cache = torch.randn(16, bs, n_kv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(16, bs, n_kv, hd, generator=g).to(dtype)
     chunks = [ChunkSpec(19, 1, list(range(5))), ChunkSpec(12, 6, list(range(5, 10)))]
-    q = torch.randn(7, 4, hd, generator=g)
-    k = torch.randn(7, n_kv, hd, generator=g)
-    v = torch.randn(7, n_kv, hd, generator=g)
+    q = torch.randn(7, 4, hd, generator=g).to(dtype)
+    k = torch.randn(7, n_kv, hd, generator=g).to(dtype)
+    v = torch.randn(7, n_kv, hd, generator=g).to(dtype)
     outs = []
     for poison in (False, True):
         kc, vc = k_cache.clone(), v_cache.clone()
