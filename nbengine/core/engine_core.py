@@ -72,7 +72,10 @@ class EngineCore:
         if config.model.max_model_len is not None:
             max_model_len = min(max_model_len, config.model.max_model_len)
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.block_size, max_model_len)
+        # Runners of models whose every layer is windowed name the window (model/runner.py).
+        window = getattr(runner, "kv_sliding_window", None)
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.block_size, max_model_len,
+                                   sliding_window=window)
         self.step_count = 0
         self._pending_msgs: deque[EngineCoreMessage] = deque()
         self._mid_step_queue: queue.Queue[EngineCoreMessage] | None = None

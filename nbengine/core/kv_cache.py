@@ -11,6 +11,13 @@ When its last user frees it, it goes to the free queue but keeps its hash, so a
 later request with the same prefix can take it back (a prefix hit) until the block
 is handed out again for new tokens (LRU eviction: the free queue is popped from
 the head; a request's blocks are released tail first so its tail is evicted first).
+
+Sliding windows: when every attention layer of the model is windowed (``sliding_window``
+given: the largest window of any layer), a request's blocks that lie wholly before the
+oldest key its next query can see are released after each step (``free_outside_window``).
+Their block-table entries become placeholders (``None`` here, block id 0 for the runner),
+which the attention path never reads (ops/attention.py gathers only the window's blocks).
+Models that mix windowed and full-attention layers keep every block: a full layer reads it.
 """
 
 from __future__ import annotations
@@ -113,8 +120,11 @@ class BlockPool:
 
 @dataclass(slots=True)
 class _RequestBlocks:
-    blocks: list[KVBlock] = field(default_factory=list)
+    # One entry per block of positions; None where a block fell out of the sliding window
+    # and went back to the pool (always a prefix of the list).
+    blocks: list[KVBlock | None] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered (or hit) in the prefix cache
+    num_dropped: int = 0  # leading entries that are None
 
 
 class KVCacheManager:
@@ -127,10 +137,14 @@ class KVCacheManager:
     - Only blocks whose K/V has actually been computed are registered in the cache.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, _RequestBlocks] = {}
@@ -247,12 +261,45 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         for i in range(entry.num_cached_blocks, num_full):
-            self.pool.register(entry.blocks[i], hashes[i])
+            block = entry.blocks[i]
+            if block is not None:
+                self.pool.register(block, hashes[i])
         entry.num_cached_blocks = num_full
 
-    def get_block_ids(self, request_id: str) -> list[int]:
+    def free_outside_window(self, request: Request) -> int:
+        """Release the request's blocks that no sliding window can reach any more.
+
+        The next query sits at position ``num_computed_tokens`` and sees keys from
+        ``num_computed_tokens - sliding_window + 1`` on; blocks wholly before that are
+        released (oldest first, so they are evicted first). Call it after
+        ``cache_computed_blocks``, so the released blocks keep their prefix-cache hashes.
+        Returns how many blocks were released (0 without a ``sliding_window``).
+        """
+        entry = self.req_to_blocks.get(request.request_id)
+        if self.sliding_window is None or entry is None:
+            return 0
+        oldest_key = request.num_computed_tokens - self.sliding_window + 1
+        drop = min(max(0, oldest_key) // self.block_size, len(entry.blocks))
+        if drop <= entry.num_dropped:
+            return 0
+        released = [b for b in entry.blocks[entry.num_dropped : drop] if b is not None]
+        self.pool.release(released)
+        for i in range(entry.num_dropped, drop):
+            entry.blocks[i] = None
+        entry.num_dropped = drop
+        return len(released)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its dropped sliding-window blocks not counted)."""
         entry = self.req_to_blocks.get(request_id)
-        return [b.block_id for b in entry.blocks] if entry is not None else []
+        return 0 if entry is None else len(entry.blocks) - entry.num_dropped
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table; dropped sliding-window blocks read as block 0."""
+        entry = self.req_to_blocks.get(request_id)
+        if entry is None:
+            return []
+        return [0 if b is None else b.block_id for b in entry.blocks]
 
     def free(self, request: Request, forget: bool = True) -> None:
         """Release the request's blocks, tail first, so its tail is evicted first.
@@ -262,7 +309,7 @@ class KVCacheManager:
         """
         entry = self.req_to_blocks.pop(request.request_id, None)
         if entry is not None:
-            self.pool.release(list(reversed(entry.blocks)))
+            self.pool.release([b for b in reversed(entry.blocks) if b is not None])
         if forget:
             self.req_to_block_hashes.pop(request.request_id, None)
 

@@ -49,7 +49,10 @@ class Scheduler:
         num_kv_blocks: int,
         block_size: int,
         max_model_len: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """``sliding_window``: set when every attention layer of the model is windowed (the
+        largest window); blocks that fall out of it are freed (core/kv_cache.py)."""
         self.config = config
         sc = config.scheduler
         self.policy = sc.policy
@@ -59,7 +62,8 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(
-            num_kv_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+            num_kv_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
+            sliding_window=sliding_window,
         )
         # A single request can never hold more tokens than the whole pool.
         self.pool_tokens = num_kv_blocks * block_size
@@ -309,6 +313,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
             self.kv.cache_computed_blocks(request)
+            self.kv.free_outside_window(request)
             out = EngineCoreOutput(rid, [], num_cached_tokens=max(request.num_cached_tokens, 0))
             prompt_lps = result.prompt_logprobs.get(rid)
             if prompt_lps:

@@ -36,9 +36,10 @@ _P = ctypes.c_void_p
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in (
+    _fields_ = [*[(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-        "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
+        "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")],
+        ("window", ctypes.c_int64)]  # sliding window; 0: full attention
 
 
 class _Decoder(ctypes.Structure):
@@ -103,7 +104,7 @@ class DecodePlan:
                 ptr(attn.o_proj._w), ptr(attn.o_proj._b),
                 ptr(mlp.gate_up_proj._w), ptr(mlp.gate_up_proj._b),
                 ptr(mlp.down_proj._w), ptr(mlp.down_proj._b),
-                ptr(kc), ptr(vc),
+                ptr(kc), ptr(vc), attn.window or 0,
             )
         rot = model.rotary
         head = model.lm_head
@@ -166,6 +167,9 @@ def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tenso
     kernels = native.loaded()
     a = model.args
     if kernels is None or a.qk_norm or a.hidden_act != "silu" or not kv_caches:
+        return None
+    # The kernel rotates whole heads in every layer, with pre-norm blocks.
+    if a.post_norm or model.rotary.rotary_dim != a.head_dim or not all(a.layer_rope or (True,)):
         return None
     if not native.NativeKernels.cached_attention_supports(a.num_heads, a.num_kv_heads, a.head_dim):
         return None

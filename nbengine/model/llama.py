@@ -1,10 +1,17 @@
-"""The Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 and OLMo 2.
 
-All four share one decoder: pre-norm blocks of RMSNorm -> GQA attention with RoPE ->
-RMSNorm -> SwiGLU MLP. The differences are flags of ``DecoderArgs``: Qwen2 has biases
-on q/k/v, Qwen3 normalises q and k per head (RMSNorm over head_dim) before RoPE and may
-set ``head_dim`` independently of ``hidden_size``, Llama may set ``attention_bias``
-(q/k/v/o) and ``mlp_bias``, and any of them may tie ``lm_head`` to the embeddings.
+All share one decoder: blocks of RMSNorm -> GQA attention with RoPE -> RMSNorm -> SwiGLU
+MLP. The differences are flags of ``DecoderArgs``: Qwen2 has biases on q/k/v, Qwen3
+normalises q and k per head (RMSNorm over head_dim) before RoPE and may set ``head_dim``
+independently of ``hidden_size``, Llama may set ``attention_bias`` (q/k/v/o) and
+``mlp_bias``, and any of them may tie ``lm_head`` to the embeddings. Per layer, attention
+may be limited to a sliding window (Mistral, Qwen2 with ``use_sliding_window``, Phi-3;
+model/windows.py) and SmolLM3 skips RoPE in some layers (``no_rope_layers``).
+
+- Phi-3 / Phi-4-mini store q/k/v and gate/up already fused (``qkv_proj``,
+  ``gate_up_proj``) and may rotate only part of each head (``partial_rotary_factor``).
+- OLMo 2 normalises q and k over the whole projection (all heads at once) and puts its
+  norms after attention and the MLP (``x = x + norm(attn(x))``), none before.
 
 For speed, q/k/v are held as one fused ``qkv_proj`` and gate/up as one ``gate_up_proj``
 (the loader concatenates the checkpoint's separate tensors).
@@ -21,11 +28,12 @@ from torch import nn
 from nbengine.model.decode_plan import DecodePlan, cache_key, build_decode_plan
 from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
+from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.ops.activation import silu_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
 from nbengine.ops.linear import NativeLinear
 from nbengine.ops.rms_norm import RMSNorm
-from nbengine.ops.rotary import RotaryEmbedding
+from nbengine.ops.rotary import RotaryEmbedding, with_original_length
 
 
 @dataclass(slots=True)
@@ -49,6 +57,14 @@ class DecoderArgs:
     mlp_bias: bool
     qk_norm: bool
     hidden_act: str
+    # Per layer: the sliding window (None: full attention) and whether RoPE is applied.
+    layer_windows: tuple[int | None, ...] = ()
+    layer_rope: tuple[bool, ...] = ()
+    rotary_dim: int = 0  # channels of each head that RoPE rotates (Phi-4-mini: 3/4)
+    model_max_positions: int | None = None  # config max_position_embeddings (rope scaling)
+    qk_norm_full: bool = False  # OLMo 2: q/k RMSNorm over the whole projection
+    post_norm: bool = False  # OLMo 2: norms after attention and MLP, none before
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj / gate_up_proj
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], arch: str, max_positions: int) -> DecoderArgs:
@@ -61,14 +77,21 @@ class DecoderArgs:
         scaling = cfg.get("rope_scaling") or rope_params
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = arch == "Qwen2ForCausalLM"
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        partial = cfg.get("partial_rotary_factor")
+        if partial is None and rope_params is not None:
+            partial = rope_params.get("partial_rotary_factor")
+        scaling = with_original_length(scaling, cfg)  # Phi-3 keeps it beside rope_scaling
+        layers = int(cfg["num_hidden_layers"])
+        olmo2 = arch == "Olmo2ForCausalLM"
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta if theta is not None else 10000.0),
             rope_scaling=scaling,
@@ -77,22 +100,33 @@ class DecoderArgs:
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM" or olmo2,
             hidden_act=str(cfg.get("hidden_act", "silu")),
+            layer_windows=layer_windows(cfg, arch, layers),
+            layer_rope=rope_layers(cfg, arch, layers),
+            rotary_dim=int(head_dim * float(partial)) if partial is not None else head_dim,
+            model_max_positions=int(cfg.get("max_position_embeddings") or max_positions),
+            qk_norm_full=olmo2,
+            post_norm=olmo2,
+            fused_checkpoint=arch == "Phi3ForCausalLM",
         )
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding | None,
+                 window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
         self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias)
-        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
-        self.rotary = rotary
+        q_dim, k_dim = (self.q_size, self.kv_size) if a.qk_norm_full else (a.head_dim, a.head_dim)
+        self.q_norm = RMSNorm(q_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.qk_norm_full = a.qk_norm_full
+        self.rotary = rotary  # None: this layer applies no position embedding (SmolLM3)
+        self.window = window
         self.scale = a.head_dim**-0.5
 
     def forward(
@@ -101,11 +135,24 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj.forward(x)
-        if self.q_norm is None:
+        rotary = self.rotary
+        if self.qk_norm_full or rotary is None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            norms = None if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm)
+            if norms is not None and self.qk_norm_full:  # over all heads at once
+                q, k = norms[0](q.contiguous()), norms[1](k.contiguous())
+            q = q.reshape(n, self.num_heads, self.head_dim)
+            k = k.reshape(n, self.num_kv_heads, self.head_dim)
+            v = v.reshape(n, self.num_kv_heads, self.head_dim)
+            if norms is not None and not self.qk_norm_full:  # per head
+                q, k = norms[0](q), norms[1](k)
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+        elif self.q_norm is None:
             # q and k sit side by side in qkv: rotate them in one pass (same elementwise ops).
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 n, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = self.rotary.rotate(positions, qk).split(
+            q, k = rotary.rotate(positions, qk).split(
                 [self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         else:
@@ -114,8 +161,8 @@ class DecoderAttention(nn.Module):
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
             assert self.k_norm is not None
-            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            q, k = rotary(positions, self.q_norm(q), self.k_norm(k))
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         return self.o_proj.forward(o.view(n, self.q_size))
 
 
@@ -131,10 +178,11 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding | None,
+                 window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = DecoderAttention(a, rotary)
+        self.self_attn = DecoderAttention(a, rotary, window)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a)
 
@@ -156,8 +204,31 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(h), residual
 
 
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2's block: ``x = x + norm1(attn(x)); x = x + norm2(mlp(x))`` (no pre-norms)."""
+
+    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding | None,
+                 window: int | None = None) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(a, rotary, window)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = SwiGLU(a)
+        self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, residual)`` as ``DecoderLayer`` returns them (the stream is their sum)."""
+        if residual is not None:
+            x = x + residual
+        h = self.post_attention_layernorm(self.self_attn.forward(x, positions, meta, k_cache, v_cache))
+        x = x + h
+        return self.post_feedforward_layernorm(self.mlp.forward(x)), x
+
+
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV cache."""
+    """The Llama-family decoder (see the module docstring) over a paged KV cache."""
 
     def __init__(self, a: DecoderArgs) -> None:
         super().__init__()
@@ -165,9 +236,15 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = a.num_layers
         self.num_kv_heads = a.num_kv_heads
         self.head_dim = a.head_dim
-        self.rotary = RotaryEmbedding(a.head_dim, a.max_positions, a.rope_theta, a.rope_scaling)
+        self.layer_windows: tuple[int | None, ...] = a.layer_windows or (None,) * a.num_layers
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_positions, a.rope_theta, a.rope_scaling,
+                                      a.rotary_dim or a.head_dim, a.model_max_positions)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a, self.rotary) for _ in range(a.num_layers))
+        rope = a.layer_rope or (True,) * a.num_layers
+        block = PostNormDecoderLayer if a.post_norm else DecoderLayer
+        self.layers = nn.ModuleList(
+            block(a, self.rotary if rope[i] else None, self.layer_windows[i])
+            for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.tie_weights()
@@ -213,6 +290,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         return plan.logits(self.embed_tokens(input_ids), positions, meta)
 
+
     def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan | None:
         plan = self._plan
         if plan is None or plan.cache_key != cache_key(kv_caches):
@@ -241,27 +319,31 @@ class LlamaForCausalLM(nn.Module):
             m["lm_head.weight"] = [W("lm_head.weight", 0, a.vocab_size)]
         for i in range(a.num_layers):
             hp, ours = f"model.layers.{i}.", f"layers.{i}."
-            m[ours + "input_layernorm.weight"] = [W(hp + "input_layernorm.weight", 0, a.hidden_size)]
-            m[ours + "post_attention_layernorm.weight"] = [
-                W(hp + "post_attention_layernorm.weight", 0, a.hidden_size)
-            ]
+            norms = (["post_attention_layernorm", "post_feedforward_layernorm"] if a.post_norm
+                     else ["input_layernorm", "post_attention_layernorm"])
+            for nm in norms:
+                m[ours + nm + ".weight"] = [W(hp + nm + ".weight", 0, a.hidden_size)]
             suffixes = ["weight"] + (["bias"] if a.qkv_bias else [])
             for s in suffixes:
-                m[ours + f"self_attn.qkv_proj.{s}"] = [
-                    W(hp + f"self_attn.q_proj.{s}", 0, q),
-                    W(hp + f"self_attn.k_proj.{s}", q, kv),
-                    W(hp + f"self_attn.v_proj.{s}", q + kv, kv),
-                ]
+                m[ours + f"self_attn.qkv_proj.{s}"] = (
+                    [W(hp + f"self_attn.qkv_proj.{s}", 0, q + 2 * kv)] if a.fused_checkpoint else [
+                        W(hp + f"self_attn.q_proj.{s}", 0, q),
+                        W(hp + f"self_attn.k_proj.{s}", q, kv),
+                        W(hp + f"self_attn.v_proj.{s}", q + kv, kv),
+                    ])
             m[ours + "self_attn.o_proj.weight"] = [W(hp + "self_attn.o_proj.weight", 0, a.hidden_size)]
             if a.o_bias:
                 m[ours + "self_attn.o_proj.bias"] = [W(hp + "self_attn.o_proj.bias", 0, a.hidden_size)]
             if a.qk_norm:
-                for nm in ("q_norm", "k_norm"):
-                    m[ours + f"self_attn.{nm}.weight"] = [W(hp + f"self_attn.{nm}.weight", 0, a.head_dim)]
+                widths = {"q_norm": q, "k_norm": kv} if a.qk_norm_full else {
+                    "q_norm": a.head_dim, "k_norm": a.head_dim}
+                for nm, width in widths.items():
+                    m[ours + f"self_attn.{nm}.weight"] = [W(hp + f"self_attn.{nm}.weight", 0, width)]
             for s in ["weight"] + (["bias"] if a.mlp_bias else []):
-                m[ours + f"mlp.gate_up_proj.{s}"] = [
-                    W(hp + f"mlp.gate_proj.{s}", 0, inter),
-                    W(hp + f"mlp.up_proj.{s}", inter, inter),
-                ]
+                m[ours + f"mlp.gate_up_proj.{s}"] = (
+                    [W(hp + f"mlp.gate_up_proj.{s}", 0, 2 * inter)] if a.fused_checkpoint else [
+                        W(hp + f"mlp.gate_proj.{s}", 0, inter),
+                        W(hp + f"mlp.up_proj.{s}", inter, inter),
+                    ])
                 m[ours + f"mlp.down_proj.{s}"] = [W(hp + f"mlp.down_proj.{s}", 0, a.hidden_size)]
         return m

@@ -31,10 +31,12 @@ from torch import nn
 from nbengine.config import ModelConfig
 from nbengine.model.config_check import check_hf_config, check_inside
 from nbengine.model.errors import ModelLoadError
+from nbengine.model.gemma import GEMMA_ACTIVATIONS, GEMMA_ARCHITECTURES, GemmaArgs, GemmaForCausalLM
 from nbengine.model.gpt2 import GPT2Args, GPT2LMHeadModel
 from nbengine.model.llama import DecoderArgs, LlamaForCausalLM
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.model.weights import WeightMap
+from nbengine.model.windows import kv_window
 from nbengine.ops.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 
 logger = logging.getLogger(__name__)
@@ -46,8 +48,11 @@ _LLAMA_FAMILY = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM",
 )
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*_LLAMA_FAMILY, "GPT2LMHeadModel")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*_LLAMA_FAMILY, *GEMMA_ARCHITECTURES, "GPT2LMHeadModel")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +70,9 @@ class LoadedModel:
     architecture: str
     path: Path
     tokenizer: Tokenizer
+    # Set when every attention layer is windowed: the largest window, behind which the KV
+    # cache frees blocks (core/kv_cache.py); None otherwise.
+    kv_sliding_window: int | None = None
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
@@ -137,17 +145,8 @@ def _max_model_len(cfg: dict[str, Any], arch: str, requested: int | None) -> int
             f"max_model_len={requested} is larger than the model's maximum context "
             f"(max_position_embeddings={max_pos})."
         )
-    length = requested if requested is not None else max_pos
-    window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
-    if uses_window and isinstance(window, int) and 0 < window < length:
-        # Within the window, sliding-window attention equals full attention.
-        logger.warning(
-            "Model uses sliding-window attention (window %d); clamping max_model_len %d -> %d.",
-            window, length, window,
-        )
-        length = window
-    return length
+    # Sliding-window layers attend within their window at any length (ops/attention.py).
+    return requested if requested is not None else max_pos
 
 
 def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) -> nn.Module:
@@ -163,6 +162,8 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
                     "are not supported."
                 )
             return _without_init(lambda: GPT2LMHeadModel(gargs))
+        if arch in GEMMA_ARCHITECTURES:
+            return _build_gemma(GemmaArgs.from_hf(cfg, arch, max_positions), path)
         dargs = DecoderArgs.from_hf(cfg, arch, max_positions)
     except KeyError as exc:
         raise ModelLoadError(f"{path / 'config.json'} lacks the field {exc.args[0]!r}.") from exc
@@ -175,7 +176,26 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
         )
     if dargs.num_heads % dargs.num_kv_heads:
         raise ModelLoadError("num_attention_heads must be a multiple of num_key_value_heads.")
-    return _without_init(lambda: LlamaForCausalLM(dargs))
+    try:
+        return _without_init(lambda: LlamaForCausalLM(dargs))
+    except (KeyError, ValueError) as exc:  # e.g. rope scaling parameters that do not fit
+        raise ModelLoadError(f"Bad rope settings in {path / 'config.json'}: {exc}") from exc
+
+
+def _build_gemma(gargs: GemmaArgs, path: Path) -> nn.Module:
+    if gargs.hidden_act not in GEMMA_ACTIVATIONS:
+        raise ModelLoadError(f"Unsupported Gemma hidden_activation {gargs.hidden_act!r} "
+                             f"(supported: {', '.join(GEMMA_ACTIVATIONS)}).")
+    if gargs.num_heads % gargs.num_kv_heads:
+        raise ModelLoadError("num_attention_heads must be a multiple of num_key_value_heads.")
+    for _, scaling in gargs.layer_rope:
+        if rope_type_of(scaling) not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(f"Unsupported rope scaling {rope_type_of(scaling)!r}; "
+                                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    try:
+        return _without_init(lambda: GemmaForCausalLM(gargs))
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"Bad rope settings in {path / 'config.json'}: {exc}") from exc
 
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
@@ -278,12 +298,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.tie_weights()
     model.to(dtype)
     load_weights(model, model.hf_weight_map(), path, dtype)
-    if isinstance(model, LlamaForCausalLM):
-        # model.to(dtype) cast the rope tables too; they stay float32 for exactness.
-        a = model.args
-        rotary = RotaryEmbedding(a.head_dim, a.max_positions, a.rope_theta, a.rope_scaling)
-        for nm in ("inv_freq", "cos", "sin"):
-            setattr(model.rotary, nm, getattr(rotary, nm))
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            # model.to(dtype) cast the rope tables too; they stay float32 for exactness.
+            module.reset_tables()
     model.eval()
     vocab = int(model.lm_head.weight.shape[0])
     return LoadedModel(
@@ -296,4 +314,5 @@ def load_model(config: ModelConfig) -> LoadedModel:
         architecture=arch,
         path=path,
         tokenizer=tokenizer,
+        kv_sliding_window=kv_window(tuple(getattr(model, "layer_windows", ()))),
     )

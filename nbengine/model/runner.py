@@ -59,6 +59,8 @@ class ModelRunner:
         self.max_model_len: int = loaded.max_model_len
         self.vocab_size: int = loaded.vocab_size
         self.eos_token_ids: frozenset[int] = loaded.eos_token_ids
+        # Every layer windowed: the scheduler frees KV blocks behind this window.
+        self.kv_sliding_window: int | None = loaded.kv_sliding_window
 
         m = self.model
         per_block = kv_block_bytes(m.num_layers, self.block_size, m.num_kv_heads, m.head_dim,

@@ -1,4 +1,5 @@
-"""SwiGLU's activation: ``silu(gate) * up`` for a fused ``gate_up`` projection."""
+"""Gated MLP activations for a fused ``gate_up`` projection: SwiGLU (``silu(gate) * up``)
+and GeGLU (``gelu_tanh(gate) * up``)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             out = k.silu_mul(gate_up.view(-1, two_i))
             return out.view(*gate_up.shape[:-1], two_i // 2)
     return silu_and_mul_ref(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation (Gemma): ``gelu_tanh(gate) * up`` for ``[gate | up]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -28,6 +28,16 @@ GQA is handled without repeating K/V: the ``G = Hq // Hkv`` query heads that sha
 a KV head are folded into the query-length axis (decode) or handed to SDPA's
 ``enable_gqa`` (prefill). ``AttentionMetadata`` is built once per step and shared by
 all layers.
+
+Sliding-window layers (``window=w``: the query at position ``p`` sees keys ``p - w + 1 .. p``,
+transformers' convention) gather only the blocks that hold those keys and mask the rest,
+so blocks that fell out of every window may already be back in the pool (the KV cache
+manager frees them for models whose every layer is windowed; their block-table entries
+then name a placeholder that is never read). The native kernel does the same: it starts
+each token's keys at its window. A step whose every context fits in the window is full
+attention.
+Logit soft-capping (``softcap=c``: scores become ``c * tanh(s / c)`` before the mask,
+Gemma 2) runs the same gathers through an explicit softmax instead of SDPA.
 """
 
 from __future__ import annotations
@@ -57,8 +67,10 @@ class PrefillMeta:
     q_start: int
     num_tokens: int
     start_pos: int
-    ctx_slots: torch.Tensor | None  # [start_pos + num_tokens] slots, None when start_pos == 0
-    mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool, None when start_pos == 0
+    # [L] slots of the keys the chunk reads (its context), None: only its own fresh K/V.
+    ctx_slots: torch.Tensor | None
+    # [num_tokens, L] bool (True = attend), None: plain causal over the fresh K/V.
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -88,26 +100,53 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     num_decodes: int
     device: torch.device | str = "cpu"
-    _decode_groups: list[DecodeGroup] | None = field(default=None, init=False, repr=False)
-    _prefills: list[PrefillMeta] | None = field(default=None, init=False, repr=False)
+    # SDPA-path inputs per attention window (None = full attention), built on first use.
+    _decode_groups: dict[int | None, list[DecodeGroup]] = field(
+        default_factory=dict, init=False, repr=False)
+    _prefills: dict[int | None, list[PrefillMeta]] = field(
+        default_factory=dict, init=False, repr=False)
     _token_tables: tuple[torch.Tensor | None, torch.Tensor | None] | None = field(
         default=None, init=False, repr=False)
+    _max_seq_len: int | None = field(default=None, init=False, repr=False)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest context any token of the step attends to (its position + 1)."""
+        if self._max_seq_len is None:
+            self._max_seq_len = max((c.start_pos + c.num_tokens for c in self.chunks), default=0)
+        return self._max_seq_len
+
+    def effective_window(self, window: int | None) -> int | None:
+        """``window``, or None when every context of the step fits in it (full attention)."""
+        if window is None or self.max_seq_len <= window:
+            return None
+        return window
 
     @property
     def decode_groups(self) -> list[DecodeGroup]:
-        """The decodes, grouped by similar context length (SDPA path)."""
-        if self._decode_groups is None:
-            self._decode_groups = _decode_groups(self.chunks[: self.num_decodes],
-                                                 self.block_size, self.device)
-        return self._decode_groups
+        """The decodes, grouped by similar context length (SDPA path, full attention)."""
+        return self.decode_groups_for(None)
+
+    def decode_groups_for(self, window: int | None) -> list[DecodeGroup]:
+        """The decode groups of a layer with attention window ``window`` (None: full)."""
+        groups = self._decode_groups.get(window)
+        if groups is None:
+            groups = self._decode_groups[window] = _decode_groups(
+                self.chunks[: self.num_decodes], self.block_size, self.device, window)
+        return groups
 
     @property
     def prefills(self) -> list[PrefillMeta]:
-        """Per prefill chunk: its query rows and cached context (SDPA path)."""
-        if self._prefills is None:
-            self._prefills = _prefill_metas(self.chunks, self.num_decodes, self.block_size,
-                                            self.device)
-        return self._prefills
+        """Per prefill chunk: its query rows and cached context (SDPA path, full attention)."""
+        return self.prefills_for(None)
+
+    def prefills_for(self, window: int | None) -> list[PrefillMeta]:
+        """The prefill chunks' inputs for a layer with attention window ``window``."""
+        metas = self._prefills.get(window)
+        if metas is None:
+            metas = self._prefills[window] = _prefill_metas(
+                self.chunks, self.num_decodes, self.block_size, self.device, window)
+        return metas
 
     @property
     def token_block_tables(self) -> torch.Tensor | None:
@@ -206,43 +245,66 @@ def build_attention_metadata(
     return AttentionMetadata(chunks, block_size, slot_mapping, num_decodes, device)
 
 
-def _decode_groups(decodes: Sequence[ChunkSpec], block_size: int, device: torch.device | str
-                   ) -> list[DecodeGroup]:
-    """Decodes grouped by similar context length, with padded block tables and masks."""
-    lens_l = [c.start_pos + 1 for c in decodes]
-    n_blks = [(n + block_size - 1) // block_size for n in lens_l]
-    tables = [list(c.block_table[:nb]) for c, nb in zip(decodes, n_blks)]
+def _decode_groups(decodes: Sequence[ChunkSpec], block_size: int, device: torch.device | str,
+                   window: int | None = None) -> list[DecodeGroup]:
+    """Decodes grouped by similar context length, with padded block tables and masks.
+
+    With a ``window``, each decode's table starts at the block holding its oldest visible
+    key, and the mask also hides the keys of that block older than the window.
+    """
     groups: list[DecodeGroup] = []
     if not decodes:
         return groups
+    ends = [c.start_pos + 1 for c in decodes]  # keys [first, end) are visible
+    firsts = [0 if window is None else max(0, e - window) for e in ends]
+    first_blks = [f // block_size for f in firsts]
+    n_blks = [(e + block_size - 1) // block_size - fb for e, fb in zip(ends, first_blks)]
+    tables = [list(c.block_table[fb : fb + nb]) for c, fb, nb in zip(decodes, first_blks, n_blks)]
     for rows in _length_groups(n_blks):
         nb = max(n_blks[i] for i in rows)
         padded = [tables[i] + [0] * (nb - len(tables[i])) for i in rows]
-        lens = torch.tensor([lens_l[i] for i in rows], dtype=torch.int64, device=device)
+        # Positions counted from each row's first gathered block.
+        lo = torch.tensor([firsts[i] - first_blks[i] * block_size for i in rows],
+                          dtype=torch.int64, device=device)
+        hi = torch.tensor([ends[i] - first_blks[i] * block_size for i in rows],
+                          dtype=torch.int64, device=device)
         pos = torch.arange(nb * block_size, dtype=torch.int64, device=device)
+        mask = pos[None, :] < hi[:, None]
+        if window is not None:
+            mask &= pos[None, :] >= lo[:, None]
         groups.append(DecodeGroup(
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
-            mask=(pos[None, :] < lens[:, None])[:, None, None, :],
+            mask=mask[:, None, None, :],
         ))
     return groups
 
 
 def _prefill_metas(chunks: Sequence[ChunkSpec], num_decodes: int, block_size: int,
-                   device: torch.device | str) -> list[PrefillMeta]:
+                   device: torch.device | str, window: int | None = None) -> list[PrefillMeta]:
     """Per prefill chunk: where its queries are and, over a cached prefix, the slots of its
-    whole context and the causal mask over it."""
+    context and the causal (and, with a ``window``, sliding) mask over it."""
     prefills: list[PrefillMeta] = []
     q_start = num_decodes
     for c in chunks[num_decodes:]:
         ctx_slots = mask = None
+        total = c.start_pos + c.num_tokens
+        windowed = window is not None and total > window
+        # The oldest key any query of the chunk sees.
+        first = max(0, c.start_pos - window + 1) if window is not None else 0
         if c.start_pos > 0:
-            total = c.start_pos + c.num_tokens
             table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
-            ctx_slots = _slots(table, torch.arange(total, dtype=torch.int64, device=device),
+            ctx_slots = _slots(table, torch.arange(first, total, dtype=torch.int64, device=device),
                                block_size)
-            # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
-            mask = torch.ones(c.num_tokens, total, dtype=torch.bool, device=device).tril(c.start_pos)
+        if c.start_pos > 0 or windowed:
+            # Query i sits at position start_pos + i; key j at position first + j (the
+            # fresh K/V alone when there is no cached prefix: then first == start_pos == 0).
+            q_pos = torch.arange(c.start_pos, total, dtype=torch.int64, device=device)[:, None]
+            k_pos = torch.arange(first, total, dtype=torch.int64, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if windowed:
+                assert window is not None
+                mask &= k_pos > q_pos - window
         prefills.append(PrefillMeta(q_start, c.num_tokens, c.start_pos, ctx_slots, mask))
         q_start += c.num_tokens
     return prefills
@@ -266,9 +328,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Fast path. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``; writes K/V first."""
+    """Fast path. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``; writes K/V first.
+
+    ``window``: sliding-window attention over the last ``window`` positions (None: full);
+    ``softcap``: attention-logit soft-capping (None: none). See the module docstring.
+    """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    window = meta.effective_window(window)
     n_tokens, n_heads, hd = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -277,7 +346,8 @@ def paged_attention(
     flat_v = v_cache.view(-1, n_kv, hd)
 
     nd = meta.num_decodes
-    kernels = _native_attention(q, k_cache, meta)
+    # The native kernel does full and sliding-window attention, without soft-capping.
+    kernels = _native_attention(q, k_cache, meta) if softcap is None else None
     if kernels is not None:
         # Decodes, and prefill chunks over short contexts, in one call. Past
         # NATIVE_PREFILL_MAX_KEYS keys SDPA's matmuls beat re-reading the keys per query.
@@ -287,43 +357,70 @@ def paged_attention(
         assert meta.token_block_tables is not None and meta.token_seq_lens is not None
         if rows:
             kernels.cached_attention(q[:rows], k_cache, v_cache, meta.token_block_tables[:rows],
-                                     meta.token_seq_lens[:rows], scale, out[:rows])
+                                     meta.token_seq_lens[:rows], scale, out[:rows], window)
         if not long_prefill:
             return out
     elif nd:
         block_size = k_cache.shape[1]
         qd_all = q[:nd].reshape(nd, n_kv, group, hd)  # the G heads of a KV head act as G queries
         od_all = out[:nd].view(nd, n_kv, group, hd)
-        single = len(meta.decode_groups) == 1
-        for g in meta.decode_groups:
+        decode_groups = meta.decode_groups_for(window)
+        single = len(decode_groups) == 1
+        for g in decode_groups:
             b, nb = g.block_tables.shape
             idx = g.block_tables.view(-1)  # whole blocks: one contiguous copy per block
             kd = k_cache.index_select(0, idx).view(b, nb * block_size, n_kv, hd).transpose(1, 2)
             vd = v_cache.index_select(0, idx).view(b, nb * block_size, n_kv, hd).transpose(1, 2)
             qd = qd_all if single else qd_all.index_select(0, g.rows)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+            od = _attend(qd, kd, vd, g.mask, scale, softcap)
             if single:
                 od_all.copy_(od)
             else:
                 od_all.index_copy_(0, g.rows, od)
 
-    for pf in meta.prefills:
+    for pf in meta.prefills_for(window):
         s, n = pf.q_start, pf.num_tokens
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if pf.ctx_slots is None:
             kp = k[s : s + n].transpose(0, 1).unsqueeze(0)
             vp = v[s : s + n].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1
-            )
         else:
             kp = flat_k.index_select(0, pf.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vp = flat_v.index_select(0, pf.ctx_slots).transpose(0, 1).unsqueeze(0)
+        if pf.mask is None and softcap is None:
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1
+            )
+        elif softcap is None:
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=pf.mask, scale=scale, enable_gqa=group > 1
             )
+        else:
+            mask = pf.mask
+            if mask is None:
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            # [1, Hkv, G, n, D] queries against [1, Hkv, 1, L, D] keys: GQA by broadcasting.
+            qg = qp.reshape(1, n_kv, group, n, hd)
+            op = _attend(qg, kp.unsqueeze(2), vp.unsqueeze(2), mask, scale, softcap)
+            op = op.reshape(1, n_heads, n, hd)
         out[s : s + n] = op[0].transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """``softmax(mask(cap(q k^T * scale))) v`` over the last two dims (SDPA when uncapped).
+
+    ``mask`` is boolean (True = attend) and broadcasts against the scores; the softmax is
+    taken in float32, as transformers' eager attention does.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _native_attention(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
@@ -348,8 +445,14 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     chunks: Sequence[ChunkSpec],
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference: token by token, softmax in float32, K/V read back slot by slot."""
+    """Reference: token by token, softmax in float32, K/V read back slot by slot.
+
+    With ``window`` the query at ``p`` reads keys ``max(0, p - window + 1) .. p``; with
+    ``softcap`` the scores are ``softcap * tanh(s / softcap)``.
+    """
     block_size = k_cache.shape[1]
     n_heads, n_kv = q.shape[1], k.shape[1]
     group = n_heads // n_kv
@@ -364,15 +467,18 @@ def paged_attention_ref(
     t = 0
     for c in chunks:
         for p in range(c.start_pos, c.start_pos + c.num_tokens):
+            lo = 0 if window is None else max(0, p - window + 1)
             keys = torch.stack(
-                [k_cache[c.block_table[j // block_size], j % block_size] for j in range(p + 1)]
-            ).float()  # [p+1, Hkv, D]
+                [k_cache[c.block_table[j // block_size], j % block_size] for j in range(lo, p + 1)]
+            ).float()  # [keys, Hkv, D]
             vals = torch.stack(
-                [v_cache[c.block_table[j // block_size], j % block_size] for j in range(p + 1)]
+                [v_cache[c.block_table[j // block_size], j % block_size] for j in range(lo, p + 1)]
             ).float()
             keys = keys.repeat_interleave(group, dim=1)
             vals = vals.repeat_interleave(group, dim=1)
             scores = torch.einsum("hd,jhd->hj", q[t].float(), keys) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             probs = scores.softmax(dim=-1)
             out[t] = torch.einsum("hj,jhd->hd", probs, vals).to(q.dtype)
             t += 1

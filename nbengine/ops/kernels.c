@@ -257,6 +257,8 @@ void nb_rotary_bf16(uint16_t *x, const int64_t *positions, const float *cos_t, c
  * Row b of q is one query token that attends to keys 0 .. seq_lens[b] - 1 of the sequence
  * whose blocks block_tables[b] lists: a decode, or one token of a prefill chunk (whose own
  * K/V are already in the cache; its seq_len is its position + 1, which makes it causal).
+ * window > 0 limits it to the last `window` of those keys (sliding-window attention): the
+ * blocks wholly before them are never read, so they may have been reused.
  * q: [B, Hq, D] with row stride q_stride; caches: [num_blocks, block_size, Hkv, D];
  * block_tables: [B, max_blocks] int32; seq_lens: [B] int32. The G = Hq / Hkv query heads
  * of one KV head are done together, so each key and value row is read once per row and KV
@@ -276,26 +278,29 @@ void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
                               const uint16_t *v_cache, const int32_t *block_tables,
                               const int32_t *seq_lens, uint16_t *out, int64_t B, int64_t Hq,
                               int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
-                              float scale, int nthreads) {
+                              float scale, int nthreads, int64_t window) {
     const int64_t G = Hq / Hkv, dv = D / 16, dk = D / 32;
     const int64_t row = Hkv * D;  /* elements between consecutive positions of a block */
 #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t L = seq_lens[b];
+            const int64_t S = window > 0 && L > window ? L - window : 0;  /* first key */
+            const int64_t J0 = S / block_size * block_size;  /* its block's first position */
             const int32_t *table = block_tables + b * max_blocks;
-            const int64_t Lp = (L + 15) / 16 * 16;
+            /* Room for 16-wide loads from any start S (the tail lanes are masked off). */
+            const int64_t Lp = (L + 15) / 16 * 16 + 16;
             float *scores = (float *)malloc(sizeof(float) * G * Lp);
             __m512bh qv[8][4];  /* [g][d / 32]: G <= 8 and D <= 128 on this path */
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < dk; c++)
                     qv[g][c] = (__m512bh)_mm512_loadu_si512(q + b * q_stride + (h * G + g) * D + 32 * c);
             /* Pass 1: scores, walking the block table (no division per key). */
-            for (int64_t j0 = 0; j0 < L; j0 += block_size) {
+            for (int64_t j0 = J0; j0 < L; j0 += block_size) {
                 const uint16_t *kb = k_cache + (int64_t)table[j0 / block_size] * block_size * row + h * D;
                 const int64_t n = L - j0 < block_size ? L - j0 : block_size;
                 if (j0 + block_size < L) nb_prefetch_block(k_cache, table[j0 / block_size + 1], block_size, row, h * D, D);
-                for (int64_t o = 0; o < n; o++) {
+                for (int64_t o = j0 < S ? S - j0 : 0; o < n; o++) {
                     const uint16_t *kr = kb + o * row;
                     __m512bh kv[4];
                     for (int64_t c = 0; c < dk; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
@@ -310,29 +315,29 @@ void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
             for (int64_t g = 0; g < G; g++) {
                 float *sc = scores + g * Lp;
                 __m512 mx = _mm512_set1_ps(-INFINITY);
-                for (int64_t j = 0; j < L; j += 16)
+                for (int64_t j = S; j < L; j += 16)
                     mx = _mm512_mask_max_ps(mx, nb_mask(L - j), mx, _mm512_loadu_ps(sc + j));
                 const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
                 __m512 sum = _mm512_setzero_ps();
-                for (int64_t j = 0; j < L; j += 16) {
+                for (int64_t j = S; j < L; j += 16) {
                     const __mmask16 mk = nb_mask(L - j);
                     const __m512 e = nb_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), vmax));
                     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
                     _mm512_mask_storeu_ps(sc + j, mk, e);
                 }
                 const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-                for (int64_t j = 0; j < L; j += 16)
+                for (int64_t j = S; j < L; j += 16)
                     _mm512_mask_storeu_ps(sc + j, nb_mask(L - j), _mm512_mul_ps(_mm512_loadu_ps(sc + j), inv));
             }
             /* Pass 2: probabilities times values. */
             __m512 acc[8][8];  /* [g][d / 16] */
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
-            for (int64_t j0 = 0; j0 < L; j0 += block_size) {
+            for (int64_t j0 = J0; j0 < L; j0 += block_size) {
                 const uint16_t *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row + h * D;
                 const int64_t n = L - j0 < block_size ? L - j0 : block_size;
                 if (j0 + block_size < L) nb_prefetch_block(v_cache, table[j0 / block_size + 1], block_size, row, h * D, D);
-                for (int64_t o = 0; o < n; o++) {
+                for (int64_t o = j0 < S ? S - j0 : 0; o < n; o++) {
                     const uint16_t *vr = vb + o * row;
                     __m512 vv[8];
                     for (int64_t c = 0; c < dv; c++) vv[c] = nb_load16(vr + 16 * c, 0xffff);
@@ -366,6 +371,7 @@ typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [H] */
     const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     uint16_t *k_cache, *v_cache;  /* [num_blocks, block_size, Hkv, D] */
+    int64_t window;  /* sliding-window attention over this many keys; 0: full attention */
 } nb_layer;
 
 typedef struct {
@@ -442,7 +448,7 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
             }
             nb_cached_attention_bf16(qkv, nqkv, L->k_cache, L->v_cache, block_tables, seq_lens,
                                      attn, B, Hq, Hkv, D, m->block_size, max_blocks, m->scale,
-                                     attn_threads);
+                                     attn_threads, L->window);
         }
         NB_SYNC();
         NB_LINEAR(attn, L->o, L->o_bias, x, H, Hq * D);

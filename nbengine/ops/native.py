@@ -61,7 +61,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "nb_silu_mul_bf16": [_P, _P, _I64, _I64, _INT],
     "nb_rotary_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "nb_cached_attention_bf16": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                                 _I64, _F32, _INT],
+                                 _I64, _F32, _INT, _I64],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
 }
@@ -145,11 +145,12 @@ class NativeKernels:
 
     def cached_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         out: torch.Tensor) -> None:
+                         out: torch.Tensor, window: int | None = None) -> None:
         """Attention of ``B`` query tokens over the paged cache into ``out [B, Hq, D]``.
 
         Row ``b`` attends to the first ``seq_lens[b]`` keys of the blocks in
-        ``block_tables[b]`` (a decode, or a prefill token whose K/V are already written).
+        ``block_tables[b]`` (a decode, or a prefill token whose K/V are already written);
+        with a ``window``, to the last ``window`` of them only (blocks before are not read).
         ``q [B, Hq, D]`` (rows may be strided), caches ``[blocks, block_size, Hkv, D]``,
         ``block_tables [B, max_blocks]`` and ``seq_lens [B]`` int32.
         """
@@ -159,7 +160,8 @@ class NativeKernels:
         threads = 1 if keys < 8192 else torch.get_num_threads()
         self._cached_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                               b, hq, hkv, d, block_size, block_tables.shape[1], scale, threads)
+                               b, hq, hkv, d, block_size, block_tables.shape[1], scale, threads,
+                               window or 0)
 
     def argmax(self, x: torch.Tensor) -> list[int]:
         """``x.argmax(dim=-1).tolist()`` for a contiguous float32 ``[N, V]`` (same ties, NaNs)."""

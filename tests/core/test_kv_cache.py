@@ -130,3 +130,42 @@ def test_shared_prefix_hits_and_same_outputs_as_without_cache():
                  if ch.request.request_id == "b" and ch.is_prefill]
     assert b_prefill[0].start_pos == 12
     assert kv_on.num_free_blocks == kv_on.num_blocks
+
+
+def test_sliding_window_frees_blocks_behind_the_window():
+    kv = KVCacheManager(16, 4, sliding_window=6)
+    r = req("a", range(10))
+    compute(kv, r, 10)  # positions 0..9; the next query (10) sees 5..10: block 0 is out
+    assert kv.free_outside_window(r) == 1
+    ids = kv.get_block_ids("a")
+    assert len(ids) == 3 and ids[0] == 0 and kv.num_used_blocks == 2
+    assert kv.num_held_blocks("a") == 2
+    for _ in range(6):  # decode to 16 computed tokens: the query at 16 sees 11..16
+        r.append_output_token(1)
+        compute(kv, r, 1)
+        kv.free_outside_window(r)
+    assert kv.num_held_blocks("a") == 2 and len(kv.get_block_ids("a")) == 4
+    assert kv.get_block_ids("a")[:2] == [0, 0]
+    kv.free(r)
+    assert kv.num_free_blocks == 16
+
+
+def test_window_freed_blocks_keep_their_prefix_hashes():
+    kv = KVCacheManager(16, 4, sliding_window=4)
+    a = req("a", range(13))
+    compute(kv, a, 13)
+    assert kv.free_outside_window(a) == 2  # the query at 13 sees 10..13
+    b = req("b", range(13))
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 12  # blocks 0-1 came back from the free queue, block 2 is still a's
+    compute(kv, b, 1, hit)
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 16
+
+
+def test_without_a_window_nothing_is_freed_early():
+    kv = KVCacheManager(8, 4)
+    r = req("a", range(30))
+    compute(kv, r, 30)
+    assert kv.free_outside_window(r) == 0 and kv.num_used_blocks == 8

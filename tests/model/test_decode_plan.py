@@ -62,6 +62,31 @@ def test_decode_plan_matches_module_path(tmp_path: Path, arch: str, threads: int
     assert fused == modular
 
 
+def test_sliding_window_model_decodes_through_the_plan(tmp_path: Path) -> None:
+    # Contexts grow past the 8-token window (and blocks behind it are freed): the plan's
+    # attention starts at each window like the module path's, token for token.
+    path = make_tiny_model(tmp_path / "m", "mistral", hidden_size=128, intermediate_size=192,
+                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                           weight_std=0.05, sliding_window=8)
+    results = []
+    for plans in (True, False):
+        core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
+        core.runner.model.decode_plans_enabled = plans
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+        for i, prompt in enumerate(([5, 6, 7], [9, 10], [11, 12, 13, 14])):
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params, time.time()))
+        got: dict[str, list[tuple[int, float]]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                for tok, lp in zip(out.new_token_ids, out.new_logprobs or []):
+                    got.setdefault(out.request_id, []).append((tok, lp[tok].logprob))
+        if plans:
+            assert core.runner.model._plan is not None, "decodes ran through the plan"
+        results.append(got)
+        core.shutdown()
+    assert sum(map(len, results[0].values())) == 48 and results[0] == results[1]
+
+
 def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
     from nbengine.model.decode_plan import ThreadChooser
 

@@ -150,11 +150,21 @@ def test_max_model_len_beyond_model_rejected(llama_dir: Path) -> None:
         load_model(ModelConfig(model=llama_dir, max_model_len=1000))
 
 
-def test_mistral_sliding_window_clamps_max_model_len(tmp_path: Path) -> None:
+def test_sliding_window_keeps_max_model_len_and_names_the_kv_window(tmp_path: Path) -> None:
     d = make_tiny_model(tmp_path / "m", "mistral", sliding_window=64)
-    assert load_model(ModelConfig(model=d)).max_model_len == 64
+    loaded = load_model(ModelConfig(model=d))
+    assert loaded.max_model_len == 256 and loaded.kv_sliding_window == 64
     d2 = make_tiny_model(tmp_path / "m2", "mistral", sliding_window=None)
-    assert load_model(ModelConfig(model=d2)).max_model_len == 256
+    loaded2 = load_model(ModelConfig(model=d2))
+    assert loaded2.max_model_len == 256 and loaded2.kv_sliding_window is None
+    # Qwen2 windows only the layers from max_window_layers on: no block can be freed.
+    d3 = make_tiny_model(tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=16,
+                         num_hidden_layers=3)
+    cfg = json.loads((d3 / "config.json").read_text())
+    cfg["max_window_layers"] = 1
+    (d3 / "config.json").write_text(json.dumps(cfg))
+    loaded3 = load_model(ModelConfig(model=d3))
+    assert loaded3.model.layer_windows == (None, 16, 16) and loaded3.kv_sliding_window is None
 
 
 def test_gpt2_checkpoint_without_transformer_prefix(tmp_path: Path) -> None:
@@ -174,3 +184,27 @@ def test_default_model_dir_resolution() -> None:
     else:
         with pytest.raises(FileNotFoundError, match="default model"):
             resolve_model_dir(None)
+
+
+def _edit_config(path: Path, **changes: object) -> Path:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_unsupported_gemma_activation_and_bad_longrope_are_named(tmp_path: Path) -> None:
+    d = _edit_config(make_tiny_model(tmp_path / "g", "llama"), architectures=["Gemma2ForCausalLM"],
+                     head_dim=16, hidden_activation="relu")
+    with pytest.raises(ModelLoadError, match="hidden_activation 'relu'"):
+        load_model(ModelConfig(model=d))
+    d2 = _edit_config(make_tiny_model(tmp_path / "p", "llama"), architectures=["Phi3ForCausalLM"],
+                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.0],
+                                    "long_factor": [1.0, 1.0],
+                                    "original_max_position_embeddings": 64})
+    with pytest.raises(ModelLoadError, match="longrope factors"):
+        load_model(ModelConfig(model=d2))
+    d3 = _edit_config(make_tiny_model(tmp_path / "r", "llama"),
+                      rope_scaling={"rope_type": "mrope", "factor": 2.0})
+    with pytest.raises(ModelLoadError, match="'mrope'"):
+        load_model(ModelConfig(model=d3))
