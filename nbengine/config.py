@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nbengine.sampling_params import SEED_MAX, SEED_MIN
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -32,12 +35,16 @@ class ModelConfig:
 
     ``model`` is a Hugging Face-format directory; None means the shipped default model.
     ``max_model_len`` None means the model's own ``max_position_embeddings``.
+    ``seed`` seeds the sampler for requests without their own ``SamplingParams.seed``;
+    None (the default, as in vLLM) draws a fresh random seed for each engine, so two runs
+    of a notebook sample different text. The seed drawn is kept here: pass it back as
+    ``seed=`` to repeat a run.
     """
 
     model: str | Path | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         _check_types(self, ints=("max_model_len",))
@@ -45,8 +52,12 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        if self.seed is None:
+            self.seed = secrets.randbits(63)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}.")
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}.")
 
 
 @dataclass(slots=True)

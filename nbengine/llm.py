@@ -47,7 +47,8 @@ class LLM:
         """Generate for every prompt (str or token ids) and return outputs in input order.
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or a list with one
-        per prompt. Outputs are FINAL_ONLY. A tqdm progress bar shows prompts done and
+        per prompt; None uses ``engine.get_default_sampling_params()`` (the model's
+        generation_config.json). Outputs are FINAL_ONLY. A tqdm progress bar shows prompts done and
         output tokens/s (``use_tqdm=False`` turns it off). KeyboardInterrupt aborts the
         unfinished requests and re-raises.
         """
@@ -61,7 +62,7 @@ class LLM:
                 f"{type(prompts).__name__}."
             )
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.engine.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -173,12 +173,16 @@ class Engine:
         }
         self.config = EngineConfig.from_kwargs(model, **kwargs)
 
+        from nbengine.model.generation_defaults import default_sampling_params
+        from nbengine.model.loader import resolve_model_dir
+
+        model_dir = resolve_model_dir(model) if tokenizer is None or model is not None else None
         if tokenizer is None:
-            from nbengine.model.loader import resolve_model_dir
             from nbengine.model.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
+            tokenizer = Tokenizer.from_dir(model_dir)
         self.tokenizer = tokenizer
+        self._model_dir = model_dir
         self.backend = backend
         self._client: CoreClient = make_core_client(backend, self.config, runner, backend_options)
         if backend == "inproc":  # in-process internals that tests reach into
@@ -186,7 +190,8 @@ class Engine:
             self._core_queue: queue.Queue[EngineCoreMessage] = self._client.queue  # type: ignore[attr-defined]
         self._vocab_size = int(self._client.vocab_size)
         self._max_model_len = int(self._client.max_model_len)
-        self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len)
+        self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len,
+                                      default_sampling_params(model_dir))
         self._eos_token_ids = frozenset(self._client.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ())
         )
@@ -605,6 +610,11 @@ class Engine:
             return await self._await_future(fut)
         return handle._final
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate(prompt)`` without params runs with: ``SamplingParams()`` with the
+        model's generation_config.json sampling fields applied (vLLM's name and rule)."""
+        return self._inputs.default_params
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is live (not yet delivered its final output)."""
         return self.num_unfinished_requests() > 0
@@ -718,4 +728,13 @@ class Engine:
 
     def __repr__(self) -> str:
         state = "alive" if self.is_alive else "dead"
-        return f"Engine(model={self.config.model.model!r}, {state})"
+        model = self.config.model.model
+        shown = "the default model" if model is None else str(model)
+        return f"Engine(model={shown!r}, dtype={self.dtype}, max_model_len={self._max_model_len}, {state})"
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in (``dtype="auto"`` resolved)."""
+        from nbengine.model.loader import resolve_dtype
+
+        return str(resolve_dtype(self.config.model.dtype)).removeprefix("torch.")

@@ -36,10 +36,18 @@ class PreparedRequest:
 class InputProcessor:
     """Turns a prompt and its parameters into a ``PreparedRequest`` (or raises)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        default_params: SamplingParams | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # What a call without SamplingParams runs with (the model's generation_config).
+        self.default_params = default_params if default_params is not None else SamplingParams()
 
     def prepare(
         self,
@@ -54,7 +62,7 @@ class InputProcessor:
                 f"request_id must be a string, got {type(request_id).__name__} {request_id!r}."
             )
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_params  # frozen: safe to share
         elif not isinstance(sampling_params, SamplingParams):
             raise TypeError(
                 f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."

@@ -1,0 +1,54 @@
+"""The model's own sampling defaults, from its ``generation_config.json``.
+
+Model authors put the sampling settings their model is meant to run with there
+(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens). As vLLM and
+transformers do, a request that gives no ``SamplingParams`` runs with them; fields the
+file does not set keep ``SamplingParams``' own defaults. Invalid values are ignored
+with a warning: a model directory's quirk must not make every call fail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from nbengine.sampling_params import SamplingParams
+
+__all__ = ["default_sampling_params"]
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json field -> SamplingParams field
+FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def default_sampling_params(model_dir: Path | None) -> SamplingParams:
+    """``SamplingParams`` with the model's generation_config.json sampling fields applied."""
+    if model_dir is None:
+        return SamplingParams()
+    path = model_dir / "generation_config.json"
+    try:
+        cfg: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return SamplingParams()
+    if not isinstance(cfg, dict):
+        return SamplingParams()
+    params = SamplingParams()
+    for source, target in FIELDS.items():
+        value = cfg.get(source)
+        if value is None:
+            continue
+        try:
+            params = params.replace(**{target: value})
+        except (TypeError, ValueError) as exc:
+            logger.warning("Ignoring %s=%r from %s: %s", source, value, path, exc)
+    return params
