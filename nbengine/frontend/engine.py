@@ -166,7 +166,7 @@ class Engine:
         runner: RunnerLike | None = kwargs.pop("_runner", None)  # test hook
         tokenizer = kwargs.pop("_tokenizer", None)  # test hook
         backend = kwargs.pop("backend", "inproc")
-        backend_options = {
+        backend_options: dict[str, Any] = {
             k: kwargs.pop(k)
             for k in ("data_parallel_size", "ray_address", "resources_per_replica", "routing")
             if k in kwargs
@@ -176,11 +176,14 @@ class Engine:
         from nbengine.model.generation_defaults import default_sampling_params
         from nbengine.model.loader import resolve_model_dir
 
-        model_dir = resolve_model_dir(model) if tokenizer is None or model is not None else None
+        # The model directory (None only for a test's injected tokenizer and default model).
+        model_dir: Path | None = None
+        if tokenizer is None or model is not None:
+            model_dir = resolve_model_dir(model)
         if tokenizer is None:
             from nbengine.model.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_dir(model_dir)
+            tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
         self.tokenizer = tokenizer
         self._model_dir = model_dir
         self.backend = backend
@@ -577,7 +580,9 @@ class Engine:
             futures = self._call_on_loop(self._start_aborts, ids)
         except EngineDeadError:
             return None if single else [None] * len(ids)
-        results = [None if f is None else await self._await_future(f) for f in futures]
+        results: list[RequestOutput | None] = []
+        for f in futures:
+            results.append(None if f is None else await self._await_future(f))
         return results[0] if single else results
 
     def _abort_future(self, handle: RequestHandle) -> Future[RequestOutput] | None:

@@ -359,6 +359,7 @@ class OutputProcessor:
         child.released = True
         live.num_released += 1
         core = child.core_finish
+        stop_reason: int | str | None
         # A finish the frontend had decided when the abort was asked for stands (as in
         # vLLM): `request_abort` marks only the completions still undecided. A finish the
         # core reports after that (a final token in the step the abort arrived in) loses.
