@@ -582,7 +582,10 @@ class Engine:
             return None if single else [None] * len(ids)
         results: list[RequestOutput | None] = []
         for f in futures:
-            results.append(None if f is None else await self._await_future(f))
+            if f is None:
+                results.append(None)
+            else:
+                results.append(await self._await_future(f))
         return results[0] if single else results
 
     def _abort_future(self, handle: RequestHandle) -> Future[RequestOutput] | None:
