@@ -585,7 +585,8 @@ class Engine:
             if f is None:
                 results.append(None)
             else:
-                results.append(await self._await_future(f))
+                out: RequestOutput = await self._await_future(f)
+                results.append(out)
         return results[0] if single else results
 
     def _abort_future(self, handle: RequestHandle) -> Future[RequestOutput] | None:
