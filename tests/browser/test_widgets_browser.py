@@ -8,14 +8,13 @@ Stages (one notebook, one kernel, a screenshot of each under artifacts/screensho
 5. clicking Cancel while an ``async for`` cell runs aborts that request and the cell ends;
 6. ``engine.plot_timeline()`` renders a chart.
 
-Needs /usr/bin/chromium (never downloads a browser): skipped without it, unless the CI
-environment variable is "true", then it fails.
+Needs /usr/bin/chromium (never downloads a browser): without it the test skips, and
+tests/conftest.py lists the skip in the summary (a failure under NBENGINE_REQUIRE_ALL=1).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -39,11 +38,10 @@ LONG = "nb.SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True)"
 
 
 def _require_chromium() -> None:
-    if CHROMIUM.exists():
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{CHROMIUM} is missing; the browser test must run in CI.")
-    pytest.skip(f"{CHROMIUM} is missing")
+    # A required test (marked ``browser``): tests/conftest.py reports this skip loudly
+    # and turns it into a failure under NBENGINE_REQUIRE_ALL=1 (as on CI).
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
 
 
 def _engine_args(tmp: Path) -> str:
