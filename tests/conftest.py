@@ -37,7 +37,14 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return str(longrepr)
 
 
+pytest_plugins = ["pytester"]  # tests/test_required_skips.py runs pytest on pytest
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "required: must run on CI; a skip is listed in the summary (tests/conftest.py)"
+    )
+    config.addinivalue_line("markers", "browser: drives JupyterLab in headless Chromium")
     config.stash[_skipped_key] = []
 
 
