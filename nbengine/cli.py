@@ -342,7 +342,8 @@ def _parser() -> argparse.ArgumentParser:
         help="open the tutorial notebooks in JupyterLab (on a copy)",
         description="Copy the tutorial notebooks into DIR (once; your edits are kept) and "
                     "start JupyterLab on the first one. The copies, not the tracked "
-                    "notebooks/, get your outputs. Needs the notebook extra: "
+                    "notebooks/, get your outputs. Other options go to jupyter lab "
+                    "(e.g. --no-browser --port 8890). Needs the notebook extra: "
                     "pip install -e '.[notebook]' and nbengine install-kernel.",
     )
     tut.add_argument("--dir", default="tutorials", help="where the copies go")
@@ -376,7 +377,8 @@ def _run(args: argparse.Namespace) -> int:
 
         from nbengine.tutorials import open_tutorials
 
-        return open_tutorials(Path(args.dir), fresh=args.fresh, launch=not args.no_lab)
+        return open_tutorials(Path(args.dir), fresh=args.fresh, launch=not args.no_lab,
+                              lab_args=args.lab_args)
     if args.command == "install-kernel":
         from nbengine.kernelspec import install_kernel
 
@@ -388,7 +390,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for a bad argument or value)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Options `tutorials` does not know go to `jupyter lab` (--no-browser, --port, ...).
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "tutorials":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.lab_args = extra
     debug = bool(getattr(args, "debug", False))
     try:
         return _run(args)

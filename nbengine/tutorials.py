@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["DEFAULT_DIR", "FIRST", "source_dir", "copy_tutorials", "lab_command"]
@@ -49,13 +50,16 @@ def copy_tutorials(target: Path, fresh: bool = False) -> list[Path]:
     return written
 
 
-def lab_command(target: Path) -> list[str]:
+def lab_command(target: Path, lab_args: Sequence[str] = ()) -> list[str]:
     """The ``jupyter lab`` command that opens the first tutorial in ``target``."""
+    # As root (a container, say) JupyterLab refuses to start without --allow-root.
+    as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
     return [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={target}",
-            str(target / FIRST)]
+            *as_root, *lab_args, str(target / FIRST)]
 
 
-def open_tutorials(target: Path, fresh: bool = False, launch: bool = True) -> int:
+def open_tutorials(target: Path, fresh: bool = False, launch: bool = True,
+                   lab_args: Sequence[str] = ()) -> int:
     """Copy the tutorials into ``target`` and start JupyterLab there (replaces this
     process); with ``launch`` false only copy and print the command."""
     target = target.expanduser().resolve()
@@ -63,7 +67,7 @@ def open_tutorials(target: Path, fresh: bool = False, launch: bool = True) -> in
     kept = len(list(target.glob("*.ipynb"))) - len(written)
     print(f"Tutorials in {target}: {len(written)} copied"
           + (f", {kept} kept as you left them (--fresh replaces them)" if kept else ""))
-    cmd = lab_command(target)
+    cmd = lab_command(target, lab_args)
     if not launch:
         print("Start JupyterLab with: " + " ".join(cmd))
         return 0
