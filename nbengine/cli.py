@@ -270,7 +270,8 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows an option's default where it has one worth reading (not None or off)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS:
             return action.help
         return super()._get_help_string(action)
 
