@@ -73,8 +73,9 @@ _CSS = """
 
 
 class StreamingText(anywidget.AnyWidget):  # type: ignore[misc]
-    """A read-only text box, 16em tall (about a dozen lines), that follows its tail while the reader
-    stays at the bottom (see the module docstring). ``value`` is plain text."""
+    """A read-only text box, 16em tall (about a dozen lines), that follows its tail
+    while the reader stays at the bottom (see the module docstring). ``value`` is plain
+    text."""
 
     _esm = traitlets.Unicode(_ESM).tag(sync=True)
     _css = traitlets.Unicode(_CSS).tag(sync=True)
