@@ -404,6 +404,20 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return "-" if not isinstance(x, (int, float)) else fmt.format(x)
 
 
+def _load(x: Any) -> str:
+    """Load averages as ``uptime`` prints them: ``1.23, 0.98, 0.50``."""
+    if not isinstance(x, (list, tuple)) or not x:
+        return "unknown"
+    return ", ".join(f"{float(v):.2f}" for v in x)
+
+
+def _of_bound(frac: float | None) -> str:
+    """``58%``; over 100% is flagged ``!`` (the footnote of the table explains it)."""
+    if frac is None:
+        return "-"
+    return f"{100 * frac:.0f}%" + ("!" if frac > 1.0 else "")
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as a plain-text table."""
     m = report["machine"]
@@ -413,7 +427,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"repeats {cfg['repeats']}",
         f"machine: {m['cpu_count']} CPUs, flags {' '.join(m['cpu_flags'])}, torch {m['torch']} "
         f"({m['torch_threads']} threads), transformers {m['transformers']}",
-        f"load average: start {m['load_average_start']}, end {m['load_average_end']}",
+        f"load average (1, 5, 15 min): {_load(m['load_average_start'])} at the start, "
+        f"{_load(m['load_average_end'])} at the end",
         f"memory bandwidth (copy) {m['bandwidth_gb_s']:.1f} GB/s; matmul "
         f"{m['matmul_gflop_s']:.0f} GFLOP/s ({cfg['dtype']}) (the better of the readings before "
         f"and after the runs), "
@@ -437,12 +452,18 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{'':<9}{e:<26}{_f(r['output_tok_s']):>10}{_f(r['total_tok_s']):>10}"
                 f"{_f(r['ttft_p50_ms']):>10}{_f(r['ttft_p99_ms']):>10}"
                 f"{_f(r['itl_p50_ms'], '{:.2f}'):>9}{_f(r['itl_p99_ms'], '{:.2f}'):>9}"
-                f"{_f(None if frac is None else 100 * frac, '{:.0f}%'):>9}"
+                f"{_of_bound(frac):>9}"
             )
             if "prefix_cache_hit_rate" in r and w == "W3":
                 lines.append(f"{'':<35}prefix-cache hit rate {100 * r['prefix_cache_hit_rate']:.0f}%")
-    lines.append("(times in ms; 'of bound' = bound time / measured time; for W2 it is the bound "
+    lines.append("(times in ms; 'of bound' = bound time / measured time, so 100% is the fastest "
+                 "this machine's measured bandwidth and FLOP/s allow; for W2 it is the bound "
                  "decode step / ITL p50)")
+    if any(_of_bound(r.get("decode_fraction_of_bound", r.get("fraction_of_bound"))).endswith("!")
+           for per in report["results"].values() for r in per.values() if "error" not in r):
+        lines.append("(! over 100%: faster than the bound, so the bound is too low here: its "
+                     "bandwidth or FLOP/s reading was taken while the machine was busy, or the "
+                     "workload fits in caches (--quick); compare the engines with each other)")
     a = report.get("abort") or {}
     if a:
         if "error" in a:

@@ -1,4 +1,9 @@
-"""The ``nbengine`` command: ``demo``, ``generate``, ``bench``, ``install-kernel``."""
+"""The ``nbengine`` command: ``demo``, ``generate``, ``bench``, ``tutorials``, ``install-kernel``.
+
+A bad value (``--max-tokens 0``, a missing model directory, an empty prompt, ...) prints
+one line, ``nbengine: error: ...``, and exits with status 2, as argparse does for a
+bad option; ``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,10 @@ import argparse
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 DEMO_PROMPTS: dict[str, str] = {
     "for-loop": "The for statement",
@@ -86,7 +92,13 @@ def run_demo(model: str | None = None, max_tokens: int = 48, out: TextIO = sys.s
     out.write("Loading the model... ")
     out.flush()
     t0 = time.monotonic()
-    with nb.Engine(model) as engine:
+    try:
+        engine = nb.Engine(model)
+    except BaseException:
+        out.write("failed.\n")  # end the line; the error follows on stderr
+        out.flush()
+        raise
+    with engine:
         out.write(f"ready in {time.monotonic() - t0:.1f}s\n\n")
         params = nb.SamplingParams(temperature=0.0, max_tokens=max_tokens)
         tracks: list[_Track] = []
@@ -156,8 +168,9 @@ def run_generate(prompt: str, model: str | None, max_tokens: int, temperature: f
             max_tokens=max_tokens, temperature=temperature, seed=seed,
             output_kind=nb.RequestOutputKind.DELTA,
         )
+        handle = engine.generate(prompt, params)  # validates first: nothing printed yet
         out.write(prompt)
-        for chunk in engine.generate(prompt, params):
+        for chunk in handle:
             out.write(chunk.outputs[0].text)
             out.flush()
         out.write("\n")
@@ -188,56 +201,219 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nbengine", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """\
+nbengine: an LLM inference engine that runs inside your Jupyter kernel.
 
-    demo = sub.add_parser("demo", help="stream several prompts, cancel one, reuse its id")
-    demo.add_argument("--model", default=None, help="Hugging Face model directory")
-    demo.add_argument("--max-tokens", type=int, default=48)
+commands:
+  demo            stream several prompts at once, cancel one, reuse its id
+  generate        stream one completion of a prompt to the terminal
+  bench           measure throughput and latency on this machine
+  tutorials       open the tutorial notebooks in JupyterLab
+  install-kernel  install the 'nbengine' Jupyter kernel (for the tutorials)
 
-    gen = sub.add_parser("generate", help="stream one completion to stdout")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default=None)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+Run 'nbengine COMMAND --help' for a command's options."""
 
-    bench = sub.add_parser("bench", help="throughput/latency against transformers (see docs/benchmarks.md)")
+EXIT_USAGE = 2  # a bad argument or value: argparse's own status for usage errors
+
+
+class CliError(Exception):
+    """A value the user gave cannot be used; the message is the whole explanation."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage block is in ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _model_dir(path: str | None) -> str | None:
+    """Check ``--model`` before loading: a missing path or a non-model directory."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CliError(f"--model {path}: no such directory")
+    if not p.is_dir():
+        raise CliError(f"--model {path}: not a directory (give a Hugging Face model folder)")
+    if not (p / "config.json").is_file():
+        raise CliError(
+            f"--model {path}: not a model directory (it has no config.json; give a "
+            "Hugging Face model folder with config.json, weights and a tokenizer)"
+        )
+    return str(p)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default where it has one worth reading (not None or off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
+    fmt = _DefaultsFormatter
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full Python traceback of an error")
+    parser = _Parser(
+        prog="nbengine", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full Python traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_help = "Hugging Face model directory (default: the shipped default model)"
+
+    demo = sub.add_parser(
+        "demo", parents=[common], formatter_class=fmt,
+        help="stream several prompts, cancel one, reuse its id",
+        description="Stream several prompts at once from one engine, cancel one mid-stream "
+                    "(abort() returns once the core has freed it), reuse its id, and print "
+                    "a summary. CPU only, offline.",
+    )
+    demo.add_argument("--model", default=None, help=model_help)
+    demo.add_argument("--max-tokens", type=_positive_int, default=48,
+                      help="tokens to generate per prompt")
+
+    gen = sub.add_parser(
+        "generate", parents=[common], formatter_class=fmt,
+        help="stream one completion to stdout",
+        description="Stream the completion of PROMPT to stdout as it is generated.",
+    )
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--model", default=None, help=model_help)
+    gen.add_argument("--max-tokens", type=_positive_int, default=64,
+                     help="the most tokens to generate")
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                     help="sampling temperature; 0 is greedy (always the likeliest token)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="random seed, for repeatable sampling when temperature > 0")
+
+    bench = sub.add_parser(
+        "bench", parents=[common], formatter_class=fmt,
+        help="throughput/latency against transformers (see docs/benchmarks.md)",
+        description="Run fixed workloads through nbengine and transformers in one process "
+                    "and compare them with this machine's memory-bandwidth bound "
+                    "(docs/benchmarks.md).",
+    )
     bench.add_argument("--model", default=None,
                        help="model directory (default: random weights in SmolLM2-135M's shape)")
     bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
     bench.add_argument("--engines", default="nbengine,hf_static,hf_cb",
                        help="comma-separated: nbengine,hf_static,hf_cb")
-    bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                       help="weights and compute type")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink workloads (e.g. 0.1)")
     bench.add_argument("--quick", action="store_true", help="same as --scale 0.1")
-    bench.add_argument("--repeats", type=int, default=1)
-    bench.add_argument("--threads", type=int, default=None,
+    bench.add_argument("--repeats", type=_positive_int, default=1,
+                       help="runs of each engine on each workload")
+    bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch threads for every engine (default: physical cores)")
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
 
-    kern = sub.add_parser("install-kernel", help="install the 'nbengine' Jupyter kernelspec")
+    tut = sub.add_parser(
+        "tutorials", parents=[common], formatter_class=fmt,
+        help="open the tutorial notebooks in JupyterLab (on a copy)",
+        description="Copy the tutorial notebooks into DIR (once; your edits are kept) and "
+                    "start JupyterLab on the first one. The copies, not the tracked "
+                    "notebooks/, get your outputs. Other options go to jupyter lab "
+                    "(e.g. --no-browser --port 8890). Needs the notebook extra: "
+                    "pip install -e '.[notebook]' and nbengine install-kernel.",
+    )
+    tut.add_argument("--dir", default="tutorials", help="where the copies go")
+    tut.add_argument("--fresh", action="store_true",
+                     help="replace copies already in DIR with the shipped notebooks")
+    tut.add_argument("--no-lab", action="store_true",
+                     help="only copy, and print the command that starts JupyterLab")
+
+    kern = sub.add_parser(
+        "install-kernel", parents=[common],
+        help="install the 'nbengine' Jupyter kernelspec",
+        description="Install the 'nbengine' Jupyter kernel, which the tutorials in "
+                    "notebooks/ run under.",
+    )
     where = kern.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="into the user's Jupyter data dir")
     where.add_argument("--sys-prefix", action="store_true", help="into this environment (default)")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        return run_demo(args.model, args.max_tokens)
+        return run_demo(_model_dir(args.model), args.max_tokens)
     if args.command == "generate":
-        return run_generate(args.prompt, args.model, args.max_tokens, args.temperature, args.seed)
+        return run_generate(args.prompt, _model_dir(args.model), args.max_tokens,
+                            args.temperature, args.seed)
     if args.command == "bench":
         return run_bench_cli(args)
+    if args.command == "tutorials":
+        from pathlib import Path
+
+        from nbengine.tutorials import open_tutorials
+
+        return open_tutorials(Path(args.dir), fresh=args.fresh, launch=not args.no_lab,
+                              lab_args=args.lab_args)
     if args.command == "install-kernel":
         from nbengine.kernelspec import install_kernel
 
         path = install_kernel(user=args.user, sys_prefix=args.sys_prefix)
         print(f"Installed kernelspec 'nbengine' in {path}")
         return 0
-    parser.error(f"unknown command {args.command}")
-    return 2
+    raise CliError(f"unknown command {args.command}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a bad argument or value)."""
+    parser = _parser()
+    # Options `tutorials` does not know go to `jupyter lab` (--no-browser, --port, ...).
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "tutorials":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.lab_args = extra
+    debug = bool(getattr(args, "debug", False))
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print("nbengine: interrupted", file=sys.stderr)
+        return 130
+    except (CliError, ValueError, OSError) as e:
+        # Values the user gave (ModelLoadError and the SamplingParams / prompt checks are
+        # ValueErrors): one line, unless --debug asks for the traceback.
+        if debug:
+            traceback.print_exc()
+        sys.stdout.flush()
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"nbengine: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -4,11 +4,18 @@ Run after anything that changes what the tutorials print (the default model, say
 
     python scripts/refresh_notebooks.py                 # every notebook
     python scripts/refresh_notebooks.py 01-quickstart   # some of them
+    python scripts/refresh_notebooks.py --clean-only 03 # clean, do not re-execute
 
 Each notebook is executed in place under the ``nbengine`` kernelspec (install it first:
 ``nbengine install-kernel``), then cleaned: widget state and per-cell execution
-metadata are dropped, and cells marked ``NBVAL_IGNORE_OUTPUT`` keep no outputs, since
-what they show changes from run to run.
+metadata are dropped, widget views are dropped from outputs (they name a model of a
+kernel that is gone; nbval compares their ``text/plain`` only), and cells marked
+``NBVAL_IGNORE_OUTPUT`` keep no outputs, since what they show changes from run to run.
+
+``--clean-only`` cleans without executing: for a notebook edited and saved in
+JupyterLab, whose stored outputs are otherwise those of a real run. To read or run the
+tutorials, ``nbengine tutorials`` opens working copies and leaves these files alone;
+``tests/test_notebooks_clean.py`` refuses a notebook that is not clean.
 """
 
 from __future__ import annotations
@@ -42,8 +49,11 @@ def execute(path: Path) -> float:
     return time.monotonic() - start
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
 def clean(path: Path) -> None:
-    """Drop widget state, execution metadata and the outputs of unchecked cells."""
+    """Drop widget state and views, execution metadata and the outputs of unchecked cells."""
     nb = nbformat.read(path, as_version=4)
     nb.metadata.pop("widgets", None)
     nb.metadata["language_info"] = {"name": nb.metadata.get("language_info", {}).get("name", "python")}
@@ -51,14 +61,22 @@ def clean(path: Path) -> None:
         cell.metadata.pop("execution", None)
         if cell.cell_type == "code" and _output_ignored(cell):
             cell.outputs = []
+        for out in cell.get("outputs", []):
+            out.get("data", {}).pop(WIDGET_VIEW, None)
     nbformat.write(nb, path)
 
 
-def main(names: list[str]) -> int:
+def main(args: list[str]) -> int:
+    clean_only = "--clean-only" in args
+    names = [a for a in args if a != "--clean-only"]
     paths = sorted(NOTEBOOKS.glob("*.ipynb"))
     if names:
         paths = [p for p in paths if any(p.stem.startswith(n) for n in names)]
     for path in paths:
+        if clean_only:
+            clean(path)
+            print(f"{path.name}: cleaned")
+            continue
         seconds = execute(path)
         clean(path)
         print(f"{path.name}: executed in {seconds:.1f}s and cleaned")

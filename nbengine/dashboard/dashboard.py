@@ -113,7 +113,9 @@ class Dashboard(widgets.VBox):
         fig.update_xaxes(title_text="seconds")
         self.figure = go.FigureWidget(fig)
         super().__init__(
-            [widgets.HBox([self.title, self.cancel_all],
+            # The button comes first: the title's width changes with its counts, and a
+            # button after it would move under the pointer.
+            [widgets.HBox([self.cancel_all, self.title],
                           layout=widgets.Layout(grid_gap="16px", align_items="center")),
              table, kv, self.replicas, self.figure]
         )

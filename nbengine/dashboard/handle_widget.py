@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import ipywidgets as widgets
 
 from nbengine.dashboard.monitor import in_kernel as _in_kernel
+from nbengine.dashboard.stream_text import StreamingText
 from nbengine.dashboard.style import badge_html
 from nbengine.request import RequestStatus
 
@@ -33,14 +34,11 @@ def stable_text(request_id: str) -> str:
     return f"RequestHandle(request_id={request_id!r})"
 
 
-def _text_html(text: str) -> str:
+def _shown_text(text: str) -> str:
+    """The text the box shows: the whole text, or its tail once it is very long."""
     if len(text) > MAX_SHOWN_CHARS:
-        text = "…" + text[-MAX_SHOWN_CHARS:]
-    return (
-        '<pre class="nbengine-text-pre" style="white-space:pre-wrap;word-break:break-word;'
-        'margin:0;max-height:16em;overflow-y:auto;font-size:12px">'
-        f"{html.escape(text)}</pre>"
-    )
+        return "…" + text[-MAX_SHOWN_CHARS:]
+    return text
 
 
 def _stats_html(num_tokens: int, rate: float | None) -> str:
@@ -56,7 +54,8 @@ class HandleWidget(widgets.VBox):
     """The widget shown for a ``RequestHandle``: a VBox with a stable ``repr``.
 
     Children: a header (status badge, request id, tokens and tokens/s, Cancel button)
-    and the text so far. Attributes ``badge``, ``title``, ``stats``, ``cancel_button``
+    and the text so far (a ``StreamingText``: it follows the newest text while the
+    reader stays at the bottom). Attributes ``badge``, ``title``, ``stats``, ``cancel_button``
     and ``text`` are the parts; ``view`` keeps them up to date.
     """
 
@@ -76,7 +75,7 @@ class HandleWidget(widgets.VBox):
             layout=widgets.Layout(width="auto"),
         )
         self.cancel_button.add_class("nbengine-cancel")
-        self.text = widgets.HTML(_text_html(""))
+        self.text = StreamingText("")
         self.text.add_class("nbengine-text")
         header = widgets.HBox(
             [self.badge, self.title, self.stats, self.cancel_button],
@@ -156,7 +155,7 @@ class HandleView:
             text = "\n\n".join(f"── completion {o['index']} ──\n{o['text']}" for o in outputs)
         else:
             text = snap["text"]
-        self._set(w.text, "value", _text_html(text))
+        self._set(w.text, "value", _shown_text(text))
         if snap["error"] and finished:
             self._set(w.title, "tooltip", snap["error"])
         done = finished and RequestStatus.is_finished(status)

@@ -8,18 +8,21 @@ from nbengine.request import RequestStatus
 
 __all__ = ["STATUS_COLORS", "badge_html", "format_seconds"]
 
-# One colour per lifecycle status; the timeline uses the same ones.
+# One colour per lifecycle status; the timeline uses the same ones. Neighbours in the
+# lifecycle and statuses of one family get different hues (not shades of one hue), so
+# that WAITING/RELEASING, the three ends and ABORTED/ERROR are told apart at a glance;
+# every colour is dark enough for the badges' white text.
 STATUS_COLORS: dict[RequestStatus, str] = {
-    RequestStatus.QUEUED: "#9e9e9e",
-    RequestStatus.WAITING: "#f5a623",
-    RequestStatus.RUNNING: "#1e88e5",
-    RequestStatus.PREEMPTED: "#8e24aa",
-    RequestStatus.RELEASING: "#fb8c00",
-    RequestStatus.FINISHED_STOPPED: "#2e7d32",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "#558b2f",
-    RequestStatus.FINISHED_ABORTED: "#c62828",
-    RequestStatus.FINISHED_IGNORED: "#6d4c41",
-    RequestStatus.FINISHED_ERROR: "#b71c1c",
+    RequestStatus.QUEUED: "#757575",  # grey
+    RequestStatus.WAITING: "#b26a00",  # amber
+    RequestStatus.RUNNING: "#1565c0",  # blue
+    RequestStatus.PREEMPTED: "#6a1b9a",  # purple
+    RequestStatus.RELEASING: "#d81b60",  # magenta
+    RequestStatus.FINISHED_STOPPED: "#2e7d32",  # green
+    RequestStatus.FINISHED_LENGTH_CAPPED: "#00838f",  # teal
+    RequestStatus.FINISHED_ABORTED: "#c62828",  # red
+    RequestStatus.FINISHED_IGNORED: "#795548",  # brown
+    RequestStatus.FINISHED_ERROR: "#212121",  # black
 }
 
 

@@ -71,6 +71,9 @@ def timeline_segments(
     return labels, dict(segments), origin
 
 
+_LEGEND_ROW_PX = 24  # one legend entry, with room to spare
+
+
 def plot_timeline(
     events: Sequence[EventRecord], now: float | None = None, title: str = "Request timeline"
 ) -> go.Figure:
@@ -105,7 +108,9 @@ def plot_timeline(
             title="request", categoryorder="array", categoryarray=labels, autorange="reversed"
         ),
         legend_title_text="status",
-        height=max(250, 60 + 28 * len(labels)),
+        # Tall enough for every request row and for the whole legend (one entry per
+        # status shown, plus its title): plotly clips a legend taller than the plot.
+        height=max(250, 60 + 28 * len(labels), 90 + _LEGEND_ROW_PX * (len(fig.data) + 1)),
         margin=dict(l=10, r=10, t=50, b=40),
     )
     return fig

@@ -106,7 +106,13 @@ def _isolated_env(base: Path) -> dict[str, str]:
     env["JUPYTERLAB_WORKSPACES_DIR"] = str(base / "config" / "lab" / "workspaces")
     env["JUPYTER_PLATFORM_DIRS"] = "1"
     env.pop("JPY_PARENT_PID", None)
-    # Turn the news/update pop-up off.
+    # No news or update toasts over the page (they covered the dashboard in screenshots):
+    # the announcements plugin is disabled outright, and its settings say "never" too.
+    labconfig = base / "config" / "labconfig"
+    labconfig.mkdir(parents=True, exist_ok=True)
+    (labconfig / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
+    ))
     settings = (
         base / "config" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
     )
@@ -362,7 +368,13 @@ class NotebookPage:
             [i, selector],
         ))
 
+    def toasts(self) -> list[str]:
+        """The texts of the notification toasts on screen (news, updates, errors)."""
+        return [str(t) for t in self.page.locator(".Toastify__toast").all_inner_texts()]
+
     def screenshot(self, name: str) -> Path:
+        """Save a screenshot of the page; no toast may cover what it shows."""
+        assert not self.toasts(), f"a notification covers the page: {self.toasts()}"
         self.screenshot_dir.mkdir(parents=True, exist_ok=True)
         path = self.screenshot_dir / f"{name}.png"
         self.page.screenshot(path=str(path), full_page=False)

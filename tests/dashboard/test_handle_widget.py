@@ -11,6 +11,7 @@ import nbengine as nb
 from dashboard_helpers import long_params, wait_until
 from nbengine.dashboard import handle_widget
 from nbengine.dashboard.handle_widget import HandleWidget
+from nbengine.dashboard.stream_text import StreamingText
 from nbengine.request import RequestStatus
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -62,7 +63,7 @@ def test_widget_streams_text_and_shows_the_final_state(engine: nb.Engine) -> Non
     # The escaped text of the whole completion is shown.
     import html
 
-    assert html.escape(final.outputs[0].text) in w.text.value
+    assert final.outputs[0].text in w.text.value
 
 
 def test_widget_of_a_finished_handle_shows_final_state_at_once(engine: nb.Engine) -> None:
@@ -145,7 +146,7 @@ def test_widget_is_an_ipywidget_with_text_not_output(engine: nb.Engine) -> None:
     h.result()
     w = h.widget()
     assert isinstance(w, widgets.VBox)
-    assert isinstance(w.text, widgets.HTML)
+    assert isinstance(w.text, StreamingText)  # plain text, not an Output
     assert not any(isinstance(c, widgets.Output) for c in w.children)
 
 

@@ -22,8 +22,12 @@ from nbengine.ops import native
 from nbengine.sampling_params import SamplingParams
 from nbengine.testing import make_tiny_model
 
-pytestmark = pytest.mark.skipif(native.kernels() is None,
-                                reason=f"native kernels: {native.unavailable_reason()}")
+# Required: a skip is reported loudly, and fails under NBENGINE_REQUIRE_ALL=1 (tests/conftest.py).
+pytestmark = [
+    pytest.mark.required,
+    pytest.mark.skipif(native.kernels() is None,
+                       reason=f"native kernels: {native.unavailable_reason()}"),
+]
 
 
 def _run(path: Path, plans: bool, threads: int) -> tuple[dict[str, list[tuple[int, float]]], bool]:

@@ -30,7 +30,11 @@ from nbengine.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_ref
 from nbengine.ops.rotary import RotaryEmbedding, apply_rotary_ref
 
 kernels = native.kernels()
-pytestmark = pytest.mark.skipif(kernels is None, reason=f"native kernels: {native.unavailable_reason()}")
+# Required: a skip is reported loudly, and fails under NBENGINE_REQUIRE_ALL=1 (tests/conftest.py).
+pytestmark = [
+    pytest.mark.required,
+    pytest.mark.skipif(kernels is None, reason=f"native kernels: {native.unavailable_reason()}"),
+]
 BF16 = torch.bfloat16
 
 

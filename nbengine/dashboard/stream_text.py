@@ -1,0 +1,88 @@
+"""``StreamingText``: a scrolling text box that follows its tail, as a terminal does.
+
+An ``ipywidgets.HTML`` replaces its whole element on every value change, so a box with
+a scroll bar jumps back to the top each time the text grows and the newest text is
+hidden below the fold. This widget keeps one ``<pre>`` element for its whole life and
+changes only its text:
+
+- while the reader is at the bottom (or has never scrolled), each update scrolls to
+  the new end, so the newest text stays in view;
+- once the reader scrolls up, updates keep their position; scrolling back to the
+  bottom resumes following.
+
+Only ``value`` (plain text, not HTML) crosses to the browser; the front end is a small
+anywidget module (no build step, see docs/architecture.md on widgets).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anywidget
+import traitlets
+
+__all__ = ["StreamingText", "FOLLOW_SLACK_PX"]
+
+# A reader within this many pixels of the bottom counts as "at the bottom" (sub-pixel
+# scroll offsets and a last line partly shown must not stop the following).
+FOLLOW_SLACK_PX = 8
+
+_ESM = """
+const SLACK = %(slack)d;
+
+function render({ model, el }) {
+  const pre = document.createElement("pre");
+  pre.className = "nbengine-text-pre";
+  el.appendChild(pre);
+  // Invariant: `follow` is true exactly while the reader has not scrolled away from
+  // the bottom; it is read before each update changes the height.
+  let follow = true;
+  let shown = "";
+  const node = document.createTextNode("");
+  pre.appendChild(node);
+  pre.addEventListener("scroll", () => {
+    follow = pre.scrollHeight - pre.scrollTop - pre.clientHeight <= SLACK;
+  });
+  const show = () => {
+    const text = model.get("value") || "";
+    if (text.startsWith(shown)) {
+      node.appendData(text.slice(shown.length));  // the usual case: the text grew
+    } else {
+      node.data = text;
+    }
+    shown = text;
+    if (follow) pre.scrollTop = pre.scrollHeight;
+  };
+  show();
+  model.on("change:value", show);
+  return () => model.off("change:value", show);
+}
+export default { render };
+""" % {"slack": FOLLOW_SLACK_PX}
+
+_CSS = """
+.nbengine-text-pre {
+  white-space: pre-wrap;
+  word-break: break-word;
+  margin: 0;
+  max-height: 16em;
+  overflow-y: auto;
+  font-size: 12px;
+}
+"""
+
+
+class StreamingText(anywidget.AnyWidget):  # type: ignore[misc]
+    """A read-only text box, 16em tall (about a dozen lines), that follows its tail
+    while the reader stays at the bottom (see the module docstring). ``value`` is plain
+    text."""
+
+    _esm = traitlets.Unicode(_ESM).tag(sync=True)
+    _css = traitlets.Unicode(_CSS).tag(sync=True)
+    value = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, value: str = "", **kwargs: Any) -> None:
+        super().__init__(value=value, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"StreamingText({len(self.value)} chars)"

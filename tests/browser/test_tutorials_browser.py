@@ -1,0 +1,190 @@
+"""Every chart of every tutorial draws its data in a real JupyterLab.
+
+Each tutorial with charts is opened as shipped (its saved outputs included), run with
+Run > Run All Cells in headless Chromium, and every plotly chart on the page must then
+show a title and draw every one of its traces: a line with points for a scatter trace,
+at least one bar for a bar trace (counted in the chart's SVG). A chart that exists but
+is blank (empty axes, no title, no traces) fails. Screenshots of each chart go to
+artifacts/screenshots/tutorials/.
+
+Which tutorials have charts is read from their sources (``CHART_CALLS``), and
+``test_tutorials_with_charts_are_known`` keeps ``EXPECTED_CHARTS`` honest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import (  # noqa: E402
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    LabServer,
+    NotebookPage,
+    jupyter_lab,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = REPO / "notebooks"
+SCREENSHOTS = REPO / "artifacts" / "screenshots" / "tutorials"
+
+# Calls in a tutorial's code that show a chart.
+CHART_CALLS = ("dashboard(", "plot_timeline(", "FigureWidget", "plotly", ".plot(")
+# Charts each tutorial shows once run (the dashboard's figure, the timeline, ...).
+EXPECTED_CHARTS: dict[str, int] = {
+    "03-dashboard-and-metrics.ipynb": 2,
+}
+
+# Per chart on the page: its title texts and, per trace, whether it draws anything.
+_CHARTS_JS = """() => {
+    const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+    return Array.from(panel.querySelectorAll('.js-plotly-plot')).map((plot) => {
+        const rect = plot.getBoundingClientRect();
+        const titles = Array.from(plot.querySelectorAll('.gtitle, .annotation-text'))
+            .map((t) => t.textContent.trim()).filter((t) => t);
+        const traces = [];
+        for (const t of plot.querySelectorAll('.scatterlayer .trace')) {
+            // A drawn line has a path with at least two points: a move, then a line
+            // segment ("M x,y L x,y", or H/V steps for line_shape="hv").
+            const drawn = Array.from(t.querySelectorAll('path.js-line'))
+                .some((p) => /^M[^M]*[LHV]/.test(p.getAttribute('d') || ''));
+            traces.push({kind: 'scatter', drawn});
+        }
+        for (const t of plot.querySelectorAll('.barlayer .trace')) {
+            const bars = Array.from(t.querySelectorAll('.point path'))
+                .filter((p) => (p.getAttribute('d') || '').length > 3).length;
+            traces.push({kind: 'bar', drawn: bars > 0, bars});
+        }
+        return {titles, traces, width: rect.width, height: rect.height};
+    });
+}"""
+
+
+def _code(path: Path) -> str:
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    return "\n".join(
+        "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+        for c in nb["cells"] if c["cell_type"] == "code"
+    )
+
+
+def _with_charts() -> list[str]:
+    return sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")
+                  if any(call in _code(p) for call in CHART_CALLS))
+
+
+def test_tutorials_with_charts_are_known() -> None:
+    """A tutorial that gains (or loses) a chart must be listed here, so the browser test
+    below runs it."""
+    assert _with_charts() == sorted(EXPECTED_CHARTS)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LabServer, Any]]:
+    if not CHROMIUM.exists():
+        # A required test (marked browser): tests/conftest.py reports this skip loudly.
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    base = tmp_path_factory.mktemp("tutorials")
+    root = base / "root"
+    root.mkdir()
+    for name in EXPECTED_CHARTS:  # the files as shipped, saved outputs included
+        shutil.copyfile(NOTEBOOKS / name, root / name)
+    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+    SCREENSHOTS.mkdir(parents=True)
+    with jupyter_lab(root, base / "jupyter") as server, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            yield server, browser
+        finally:
+            browser.close()
+
+
+def _run_all(p: NotebookPage, timeout_s: float) -> None:
+    """Run > Run All Cells, then wait until every code cell has run in this kernel.
+
+    The shipped notebooks already show execution counts ([n]), so "every prompt reads
+    [n]" alone proves nothing: a MutationObserver first records that the last code
+    cell was queued or running ([*]), and only then do the counts count.
+    """
+    p.page.evaluate(
+        """() => {
+            const cells = document.querySelectorAll(
+                '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-CodeCell');
+            const prompt = cells[cells.length - 1].querySelector('.jp-InputPrompt');
+            window.__nbLastQueued = false;
+            new MutationObserver(() => {
+                if (prompt.textContent.includes('[*]')) window.__nbLastQueued = true;
+            }).observe(prompt, {childList: true, subtree: true, characterData: true});
+        }"""
+    )
+    p.page.get_by_role("menuitem", name="Run", exact=True).click()
+    p.page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    p.page.wait_for_function(
+        """() => {
+            if (!window.__nbLastQueued) return false;
+            const cells = document.querySelectorAll(
+                '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-CodeCell');
+            return Array.from(cells).every((c) => {
+                const p = c.querySelector('.jp-InputPrompt');
+                return p && /\\[\\d+\\]/.test(p.textContent);
+            });
+        }""",
+        timeout=timeout_s * 1000,
+    )
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(EXPECTED_CHARTS))
+def test_every_chart_draws_its_data(lab: tuple[LabServer, Any], name: str) -> None:
+    server, browser = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    p = NotebookPage(page, SCREENSHOTS)
+    stem = Path(name).stem
+    try:
+        page.goto(server.notebook_url(name))
+        p.wait_ready(server)
+        _run_all(p, timeout_s=420)
+        # No cell failed or wrote to stderr (the shipped outputs have neither).
+        errors = p.panel.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+        assert errors.count() == 0, errors.first.inner_text()
+        expected = EXPECTED_CHARTS[name]
+        # Every chart drawn: the live charts refresh about twice a second until the
+        # engine's shutdown shows its final state, so poll the condition.
+        page.wait_for_function(
+            f"""() => {{
+                const charts = ({_CHARTS_JS})();
+                return charts.length >= {expected} && charts.every((c) =>
+                    c.titles.length > 0 && c.traces.length > 0 &&
+                    c.traces.every((t) => t.drawn));
+            }}""",
+            timeout=60_000,
+        )
+        charts = page.evaluate(_CHARTS_JS)
+        assert len(charts) == expected, charts
+        for k, chart in enumerate(charts):
+            assert chart["titles"], chart
+            assert chart["traces"] and all(t["drawn"] for t in chart["traces"]), chart
+            plot = p.panel.locator(".js-plotly-plot").nth(k)
+            plot.scroll_into_view_if_needed()
+            plot.screenshot(path=str(SCREENSHOTS / f"{stem}-chart-{k}.png"))
+    except BaseException:
+        try:
+            p.screenshot(f"{stem}-failure")
+        except Exception:  # noqa: BLE001 - best effort; the real error follows
+            pass
+        print(server.log_tail(), file=sys.stderr)
+        raise
+    finally:
+        page.close()

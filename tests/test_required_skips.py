@@ -1,0 +1,61 @@
+"""A skipped required test is loud: its own summary section, and a failure under
+NBENGINE_REQUIRE_ALL=1 (tests/conftest.py), checked by running pytest on a small suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CONFTEST = Path(__file__).with_name("conftest.py")
+
+SUITE = """
+import pytest
+
+@pytest.mark.browser
+def test_needs_a_browser():
+    pytest.skip("/usr/bin/chromium is missing")
+
+@pytest.mark.required
+@pytest.mark.skipif(True, reason="native kernels: no avx512_bf16")
+def test_needs_avx512():
+    pass
+
+def test_optional():
+    pytest.skip("not required")
+
+def test_runs():
+    pass
+"""
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(CONFTEST.read_text())
+    pytester.makepyfile(test_suite=SUITE)
+    return pytester
+
+
+def test_skips_are_listed_in_their_own_section(suite: pytest.Pytester,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NBENGINE_REQUIRE_ALL", raising=False)
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, skipped=3)
+    out = result.stdout.str()
+    assert "2 REQUIRED TESTS SKIPPED" in out
+    result.stdout.fnmatch_lines([
+        "*SKIPPED (required) test_suite.py::test_needs_a_browser: /usr/bin/chromium is missing",
+        "*SKIPPED (required) test_suite.py::test_needs_avx512: native kernels: no avx512_bf16",
+    ])
+    assert "test_optional" not in out.split("REQUIRED TESTS SKIPPED")[1]
+    assert result.ret == 0
+
+
+def test_require_all_turns_them_into_failures(suite: pytest.Pytester,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NBENGINE_REQUIRE_ALL", "1")
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider")
+    # A skip at setup (a skipif mark) fails as an error, one in the test body as a failure.
+    result.assert_outcomes(passed=1, skipped=1, failed=1, errors=1)
+    result.stdout.fnmatch_lines(["*required test skipped (NBENGINE_REQUIRE_ALL=1*"])
+    assert result.ret == 1
