@@ -168,9 +168,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     """``nbengine bench``: run, print the table, optionally write the JSON report."""
     import json
 
-    from nbengine.bench import format_report, run_bench
+    from nbengine.bench import BenchConfig, format_report, run_bench
 
-    report = run_bench(
+    config = BenchConfig(
         model_dir=args.model,
         workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
         engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
@@ -179,8 +179,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         abort_latency=not args.no_abort,
         threads=args.threads,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
+    report = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

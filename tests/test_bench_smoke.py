@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nbengine.bench import TARGETS, format_report, make_workloads, run_bench
+from nbengine.bench import BenchConfig, TARGETS, format_report, make_workloads, run_bench
 from nbengine.cli import main
 from nbengine.testing import make_tiny_model
 
@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def report(model_dir: Path) -> dict:
-    return run_bench(model_dir, scale=0.1)
+    return run_bench(BenchConfig(model_dir=model_dir, scale=0.1))
 
 
 def _positive(x: object) -> bool:
@@ -97,6 +97,6 @@ def test_cli_writes_json(model_dir: Path, tmp_path: Path, capsys: pytest.Capture
 
 def test_bad_arguments_raise(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="W9"):
-        run_bench(model_dir, workloads=("W9",))
+        run_bench(model_dir=model_dir, workloads=("W9",))
     with pytest.raises(ValueError, match="vllm"):
-        run_bench(model_dir, engines=("vllm",))
+        BenchConfig(model_dir=model_dir, engines=("vllm",))
