@@ -179,6 +179,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         abort_latency=not args.no_abort,
         threads=args.threads,
+        omp_wait_policy=args.omp_wait_policy,
     )
     report = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_report(report))
@@ -215,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--threads", type=int, default=None,
                        help="torch threads for every engine (default: physical cores)")
+    bench.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE"),
+                       help="OMP_WAIT_POLICY of every engine's process (default: PASSIVE, "
+                            "what import nbengine sets)")
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
 

@@ -20,8 +20,11 @@ class BenchConfig:
     ``model_dir`` None builds the SmolLM2-135M-shaped random model into ``cache_dir``
     (default ``$NBENGINE_CACHE/bench``). ``engine_kwargs`` are extra ``nb.Engine``
     arguments on top of the bench's (64 sequences, 512 batched tokens). ``threads`` is
-    the torch thread count of every engine alike (None: the physical cores).
-    ``scale`` shrinks every workload (0.1 for a smoke run).
+    the torch thread count of every engine alike (None: the physical cores), and
+    ``omp_wait_policy`` the ``OMP_WAIT_POLICY`` of every engine's process (PASSIVE, what
+    ``import nbengine`` sets when nothing else has, is what a notebook gets).
+    ``scale`` shrinks every workload (0.1 for a smoke run). A figure whose repeats
+    disagree by more than ``max_spread`` ((max - min) / median) is reported with a warning.
     """
 
     model_dir: str | Path | None = None
@@ -36,6 +39,8 @@ class BenchConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | Path | None = None
     threads: int | None = None
+    omp_wait_policy: str = "PASSIVE"
+    max_spread: float = 0.10
 
     def __post_init__(self) -> None:
         self.workloads = tuple(self.workloads)
@@ -49,6 +54,9 @@ class BenchConfig:
                 raise ValueError(f"Unknown engine {e!r}; choose from {ALL_ENGINES}.")
         if self.scale <= 0:
             raise ValueError(f"scale must be positive, got {self.scale}.")
+        if self.omp_wait_policy not in ("PASSIVE", "ACTIVE"):
+            raise ValueError(f"omp_wait_policy must be PASSIVE or ACTIVE, got "
+                             f"{self.omp_wait_policy!r}.")
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}.")
 

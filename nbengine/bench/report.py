@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from nbengine.bench.engines import RunResult
 
-__all__ = ["TARGETS", "format_report", "median_run", "percentile", "summarise", "targets", "to_ms"]
+__all__ = ["TARGETS", "format_report", "median_run", "percentile", "spread_warnings", "summarise",
+           "targets", "to_ms"]
 
 TARGETS = {
     "W1 nbengine / hf_cb output tok/s": 3.0,
@@ -54,15 +56,42 @@ def summarise(r: RunResult) -> dict[str, Any]:
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median output tok/s, plus every repeat's output tok/s."""
+    """The run with the median output tok/s (the upper middle one for an even count), plus
+    the spread of every repeat's.
+
+    Adds ``output_tok_s_all`` (in run order), ``output_tok_s_min`` / ``_max``,
+    ``output_tok_s_median`` (the mean of the middle two for an even count) and
+    ``spread`` = (max - min) / median.
+    """
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return runs[-1]
-    ok.sort(key=lambda r: r["output_tok_s"])
-    best = dict(ok[len(ok) // 2])
-    best["repeats"] = len(ok)
-    best["output_tok_s_all"] = [r["output_tok_s"] for r in ok]
-    return best
+    rates = [r["output_tok_s"] for r in ok]
+    chosen = dict(sorted(ok, key=lambda r: r["output_tok_s"])[len(ok) // 2])
+    med = statistics.median(rates)
+    chosen.update({
+        "repeats": len(ok),
+        "output_tok_s_all": rates,
+        "output_tok_s_min": min(rates),
+        "output_tok_s_max": max(rates),
+        "output_tok_s_median": med,
+        "spread": (max(rates) - min(rates)) / med if med > 0 else 0.0,
+    })
+    return chosen
+
+
+def spread_warnings(results: dict[str, dict[str, dict[str, Any]]], limit: float) -> list[str]:
+    """One line per figure whose repeats disagree by more than ``limit`` (a fraction)."""
+    out = []
+    for w, per in results.items():
+        for e, r in per.items():
+            if r.get("spread", 0.0) > limit:
+                out.append(
+                    f"{w} {e}: repeats disagree by {100 * r['spread']:.0f}% "
+                    f"({r['output_tok_s_min']:.1f}-{r['output_tok_s_max']:.1f} output tok/s, "
+                    f"more than {100 * limit:.0f}%): the machine was not steady; do not "
+                    f"publish this figure")
+    return out
 
 
 def targets(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -101,21 +130,25 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"nbengine bench: model {cfg['model_dir']} ({cfg['dtype']}), scale {cfg['scale']}, "
         f"repeats {cfg['repeats']}",
-        f"machine: {m['cpu_count']} CPUs, flags {' '.join(m['cpu_flags'])}, torch {m['torch']} "
+        f"machine: {m.get('cpu_model', '?')}, {m['cpu_count']} CPUs, flags {' '.join(m['cpu_flags'])}, torch {m['torch']} "
         f"({m['torch_threads']} threads), transformers {m['transformers']}",
+        f"every run in a fresh process: {m.get('engine_process', {}).get('torch_threads', '?')} "
+        f"torch threads, OMP_WAIT_POLICY={cfg.get('omp_wait_policy')}, a warm-up first",
         f"load average: start {m['load_average_start']}, end {m['load_average_end']}",
         f"memory bandwidth (copy) {m['bandwidth_gb_s']:.1f} GB/s; matmul "
         f"{m['matmul_gflop_s']:.0f} GFLOP/s ({cfg['dtype']}) (the better of the readings before "
         f"and after the runs), "
         f"{m['matmul_gflop_s_float32']:.0f} GFLOP/s (float32)",
         "",
-        f"{'workload':<9}{'engine':<26}{'out tok/s':>10}{'tot tok/s':>10}{'TTFT p50':>10}"
+        f"{'workload':<9}{'engine':<26}{'out tok/s':>10}{'min-max':>14}{'tot tok/s':>10}"
+        f"{'TTFT p50':>10}"
         f"{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'of bound':>9}",
     ]
     for w, per in report["results"].items():
         b = report["bounds"].get(w, {})
         lines.append(
-            f"{w:<9}{'(bound)':<26}{_f(b.get('output_tok_s')):>10}{'':>10}{'':>10}{'':>10}"
+            f"{w:<9}{'(bound)':<26}{_f(b.get('output_tok_s')):>10}{'':>14}{'':>10}{'':>10}"
+            f"{'':>10}"
             f"{_f(b.get('decode_step_ms'), '{:.2f}'):>9}{'':>9}{'100%':>9}"
         )
         for e, r in per.items():
@@ -124,15 +157,16 @@ def format_report(report: dict[str, Any]) -> str:
                 continue
             frac = r.get("decode_fraction_of_bound", r.get("fraction_of_bound"))
             lines.append(
-                f"{'':<9}{e:<26}{_f(r['output_tok_s']):>10}{_f(r['total_tok_s']):>10}"
+                f"{'':<9}{e:<26}{_f(r['output_tok_s']):>10}{_range(r):>14}"
+                f"{_f(r['total_tok_s']):>10}"
                 f"{_f(r['ttft_p50_ms']):>10}{_f(r['ttft_p99_ms']):>10}"
                 f"{_f(r['itl_p50_ms'], '{:.2f}'):>9}{_f(r['itl_p99_ms'], '{:.2f}'):>9}"
                 f"{_f(None if frac is None else 100 * frac, '{:.0f}%'):>9}"
             )
             if "prefix_cache_hit_rate" in r and w == "W3":
                 lines.append(f"{'':<35}prefix-cache hit rate {100 * r['prefix_cache_hit_rate']:.0f}%")
-    lines.append("(times in ms; 'of bound' = bound time / measured time; for W2 it is the bound "
-                 "decode step / ITL p50)")
+    lines.append("(out tok/s: the median repeat; min-max over the repeats; times in ms; 'of bound' "
+                 "= bound time / measured time; for W2 it is the bound decode step / ITL p50)")
     a = report.get("abort") or {}
     if a:
         if "error" in a:
@@ -149,5 +183,18 @@ def format_report(report: dict[str, Any]) -> str:
         verdict = {True: "PASS", False: "MISS", None: "n/a"}[t["pass"]]
         lines.append(f"  {name:<46} {_f(t['value'], '{:.2f}'):>7}  (target {t['target']})  "
                      f"{verdict}")
+    warnings = report.get("warnings") or []
+    if warnings:
+        lines.append("")
+        lines.append("WARNINGS:")
+        lines.extend(f"  {w}" for w in warnings)
     lines.append(f"elapsed {report['elapsed_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _range(r: dict[str, Any]) -> str:
+    """``min-max`` of the repeats' output tok/s."""
+    lo, hi = r.get("output_tok_s_min"), r.get("output_tok_s_max")
+    if not isinstance(lo, (int, float)) or not isinstance(hi, (int, float)):
+        return "-"
+    return f"{lo:.1f}-{hi:.1f}"

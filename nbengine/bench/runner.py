@@ -1,7 +1,11 @@
 """``run_bench``: every engine on every workload, the machine, the bound, one report.
 
-For each workload the engines run back to back, their order rotating between repeats,
-so drift of a shared machine affects all of them alike (docs/benchmarks.md).
+Every measurement (one repeat of one engine on one workload) runs in a fresh process
+with the same environment (``isolation``), after a warm-up in that process. For each
+workload the engines run back to back, their order rotating between repeats, so drift
+of a shared machine affects all of them alike; the report gives each figure's median,
+its min-max over the repeats, and a warning where they disagree by more than
+``BenchConfig.max_spread`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -18,23 +22,20 @@ from typing import Any
 import torch
 
 from nbengine.bench.config import BenchConfig
-from nbengine.bench.engines import (
-    HFContinuousDriver,
-    HFStaticDriver,
-    NbengineDriver,
-    RunResult,
-)
+from nbengine.bench.isolation import engine_environment, run_isolated
 from nbengine.bench.machine import (
     ModelShape,
     cpu_flags,
+    cpu_model,
     load_average,
     measure_bandwidth,
     measure_matmul_flops,
     physical_cores,
     workload_bound,
 )
-from nbengine.bench.report import median_run, percentile, summarise, targets, to_ms
-from nbengine.bench.workloads import Workload, bench_model_dir, make_workloads, scaled
+from nbengine.bench.report import median_run, spread_warnings, targets
+from nbengine.bench.workloads import bench_model_dir, make_workloads, scaled
+from nbengine.bench.worker import Job
 
 __all__ = ["run_bench"]
 
@@ -46,9 +47,9 @@ def run_bench(config: BenchConfig | None = None, log: Log | None = None, **overr
     """Run the benchmark and return the report (a JSON-able dict; see ``format_report``).
 
     ``overrides`` replace fields of ``config`` (default ``BenchConfig()``), so
-    ``run_bench(model_dir=d, scale=0.1)`` works. torch's thread count is set to
-    ``config.threads`` (None: the physical cores) for the run and restored afterwards.
-    ``log`` receives progress lines.
+    ``run_bench(model_dir=d, scale=0.1)`` works. Every engine process runs
+    ``config.threads`` torch threads (None: the physical cores), and so does this process
+    while it measures the machine (restored afterwards). ``log`` receives progress lines.
     """
     cfg = dataclasses.replace(config or BenchConfig(), **overrides)
     old_threads = torch.get_num_threads()
@@ -57,13 +58,6 @@ def run_bench(config: BenchConfig | None = None, log: Log | None = None, **overr
         return _Run(cfg, log or (lambda _msg: None)).report()
     finally:
         torch.set_num_threads(old_threads)
-
-
-def _safe(fn: Callable[[], RunResult], engine: str, wl: str) -> RunResult:
-    try:
-        return fn()
-    except Exception as exc:  # an engine that cannot run is reported, not fatal
-        return RunResult(engine, wl, error=f"{type(exc).__name__}: {exc}")
 
 
 class _Run:
@@ -86,25 +80,31 @@ class _Run:
         ekw.setdefault("max_model_len", min(int(self.hf_cfg.get("max_position_embeddings", 2048)),
                                             max(max_len, 64)))
         self.ekw: dict[str, Any] = ekw
-        self.drivers: dict[str, Any] = {}
-        self.errors: dict[str, str] = {}
+        self.threads = cfg.threads or physical_cores()
+        self.env = engine_environment(self.threads, cfg.omp_wait_policy)
+        self.errors: dict[str, str] = {}  # engine -> its first error; it runs no more jobs
+        self.processes: list[dict[str, Any]] = []  # each worker's threads and environment
 
     def report(self) -> dict[str, Any]:
         """Measure the machine, run the engines, measure again, and assemble the report."""
         machine = self._measure_machine()
-        self._load_engines()
         results = self._run_engines()
         self._remeasure_machine(machine)
         bounds = self._bounds(results, machine)
         abort = self._abort_latency()
         machine["load_average_end"] = load_average()
+        warnings = spread_warnings(results, self.cfg.max_spread)
+        machine["engine_process"], differ = self._common_process_state()
+        if differ:
+            warnings.append(f"engine processes ran under different settings: {differ}")
         cfg = self.cfg
         return {
             "config": {
                 "model_dir": str(self.path), "dtype": cfg.dtype, "scale": cfg.scale,
                 "repeats": cfg.repeats, "seed": cfg.seed, "workloads": list(cfg.workloads),
                 "engines": list(cfg.engines), "engine_kwargs": self.ekw,
-                "static_batch_size": cfg.static_batch_size,
+                "static_batch_size": cfg.static_batch_size, "threads": self.threads,
+                "omp_wait_policy": cfg.omp_wait_policy, "max_spread": cfg.max_spread,
                 "model": {k: self.hf_cfg.get(k) for k in (
                     "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "intermediate_size", "vocab_size",
@@ -120,6 +120,7 @@ class _Run:
             "abort": abort,
             "engine_errors": self.errors,
             "targets": targets(results),
+            "warnings": warnings,
             "elapsed_s": time.time() - self.t_start,
         }
 
@@ -136,10 +137,11 @@ class _Run:
             "cpu_count": os.cpu_count(),
             "cpu_flags": cpu_flags(),
             "processor": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "torch_threads": self.threads,
+            "omp_wait_policy": self.cfg.omp_wait_policy,
             "bandwidth_gb_s": bw / 1e9,
             "matmul_gflop_s": flops / 1e9,
             "matmul_gflop_s_float32": flops_f32 / 1e9,
@@ -160,52 +162,58 @@ class _Run:
                         "bandwidth_gb_s": max(bw, bw_end) / 1e9,
                         "matmul_gflop_s": max(flops, flops_end) / 1e9})
 
-    def _load_engines(self) -> None:
-        warm = Workload("warmup", [[5, 6, 7, 8]] * 2, [4, 4])
-        for name in self.cfg.engines:
-            self.say(f"loading {name} ...")
-            try:
-                if name == "nbengine":
-                    d: Any = NbengineDriver(self.path, self.cfg.dtype, self.ekw)
-                elif name == "hf_static":
-                    d = HFStaticDriver(self.path, self.cfg.dtype, self.cfg.static_batch_size)
-                else:
-                    d = HFContinuousDriver(self.path, self.cfg.dtype,
-                                           self.ekw["max_num_batched_tokens"],
-                                           self.ekw["max_num_seqs"])
-                r = d.run(warm)
-                if r.error:
-                    raise RuntimeError(r.error)
-                self.drivers[name] = d
-            except Exception as exc:
-                self.errors[name] = f"{type(exc).__name__}: {exc}"
-                self.say(f"  {name} cannot run here: {self.errors[name]}")
+    def _job(self, kind: str, engine: str, label: str, workload: str,
+             overrides: dict[str, Any] | None = None, **extra: Any) -> Job:
+        cfg = self.cfg
+        return Job(kind=kind, engine=engine, label=label, workload=workload,
+                   model_dir=str(self.path), dtype=cfg.dtype, threads=self.threads,
+                   scale=cfg.scale, seed=cfg.seed, vocab=self.shape.vocab,
+                   engine_kwargs=self.ekw, static_batch_size=cfg.static_batch_size,
+                   overrides=overrides or {}, **extra)
+
+    def _run_job(self, job: Job) -> dict[str, Any]:
+        res = run_isolated(job, self.env)
+        if "process" in res:
+            self.processes.append(res["process"])
+            res["pid"] = res.pop("process")["pid"]
+        if "error" in res:
+            self.errors.setdefault(job.engine, res["error"])
+        return res
 
     def _run_engines(self) -> dict[str, dict[str, dict[str, Any]]]:
         cfg = self.cfg
         raw: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in cfg.workloads}
-        order = [e for e in cfg.engines if e in self.drivers]
+        order = list(cfg.engines)
         for rep in range(cfg.repeats):
             for w in cfg.workloads:
-                wl = self.wls[w]
-                rot = order[rep % len(order):] + order[: rep % len(order)] if order else []
+                rot = order[rep % len(order):] + order[: rep % len(order)]
                 for name in rot:
-                    d = self.drivers[name]
-                    runs: list[tuple[str, Callable[[], RunResult]]] = [
-                        (name, lambda d=d: d.run(wl))]
+                    jobs = [self._job("run", name, name, w)]
                     if name == "nbengine" and w == "W3":
-                        runs.append(("nbengine_no_prefix_cache",
-                                     lambda d=d: d.run(wl, enable_prefix_caching=False)))
-                    for label, fn in runs:
-                        self.say(f"[{rep + 1}/{cfg.repeats}] {w} {label} ...")
-                        res = summarise(_safe(fn, label, w))
-                        raw[w].setdefault(label, []).append(res)
+                        jobs.append(self._job("run", name, "nbengine_no_prefix_cache", w,
+                                              {"enable_prefix_caching": False}))
+                    for job in jobs:
+                        if name in self.errors:
+                            continue
+                        self.say(f"[{rep + 1}/{cfg.repeats}] {w} {job.label} "
+                                 f"(load {_load()}) ...")
+                        res = self._run_job(job)
+                        raw[w].setdefault(job.label, []).append(res)
                         if "error" in res:
-                            self.say(f"  error: {res['error']}")
+                            self.say(f"  {name} cannot run here: {res['error']}")
                         else:
                             self.say(f"  {res['output_tok_s']:.1f} output tok/s, "
                                      f"wall {res['wall_s']:.1f} s")
         return {w: {e: median_run(rs) for e, rs in per.items()} for w, per in raw.items()}
+
+    def _common_process_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The engine processes' threads and environment; the distinct ones if they differ."""
+        states: list[dict[str, Any]] = []
+        for p in self.processes:
+            p = {k: v for k, v in p.items() if k != "pid"}
+            if p not in states:
+                states.append(p)
+        return (states[0] if states else {}), (states if len(states) > 1 else [])
 
     def _bounds(self, results: dict[str, dict[str, dict[str, Any]]], machine: dict[str, Any]
                 ) -> dict[str, Any]:
@@ -240,14 +248,20 @@ class _Run:
         return bounds
 
     def _abort_latency(self) -> dict[str, Any]:
-        if not (self.cfg.abort_latency and "nbengine" in self.drivers and "W1" in self.wls):
+        if not (self.cfg.abort_latency and "nbengine" in self.cfg.engines
+                and "nbengine" not in self.errors and "W1" in self.wls):
             return {}
         n_run = scaled(32, self.cfg.scale, 2)
         self.say(f"abort latency with {n_run} running ...")
-        try:
-            lat = self.drivers["nbengine"].abort_latency(self.wls["W1"].prompts, n_run,
-                                                         max(1, n_run // 2))
-        except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"}
-        return {"num_running": n_run, "num_aborts": len(lat),
-                "p50_ms": to_ms(percentile(lat, 50)), "p99_ms": to_ms(percentile(lat, 99))}
+        res = run_isolated(self._job("abort", "nbengine", "abort", "W1",
+                                     abort_running=n_run, abort_count=max(1, n_run // 2)),
+                           self.env)
+        if "process" in res:
+            self.processes.append(res["process"])
+            res["pid"] = res.pop("process")["pid"]
+        return res
+
+
+def _load() -> str:
+    la = load_average()
+    return "?" if la is None else f"{la[0]:.2f}"
