@@ -181,9 +181,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     """``nbengine bench``: run, print the table, optionally write the JSON report."""
     import json
 
-    from nbengine.bench import format_report, run_bench
+    from nbengine.bench import BenchConfig, format_report, run_bench
 
-    report = run_bench(
+    config = BenchConfig(
         model_dir=args.model,
         workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
         engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
@@ -192,8 +192,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         abort_latency=not args.no_abort,
         threads=args.threads,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        omp_wait_policy=args.omp_wait_policy,
     )
+    report = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -335,6 +336,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="runs of each engine on each workload")
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch threads for every engine (default: physical cores)")
+    bench.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE"),
+                       help="OMP_WAIT_POLICY of every engine's process (default: PASSIVE, "
+                            "what import nbengine sets)")
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
 

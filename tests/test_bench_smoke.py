@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
-from nbengine.bench import TARGETS, format_report, make_workloads, run_bench
+from nbengine.bench import BenchConfig, TARGETS, format_report, make_workloads, run_bench
+from nbengine.bench.report import median_run, spread_warnings
 from nbengine.cli import main
 from nbengine.testing import make_tiny_model
+
+# Every measurement starts a fresh process (torch, transformers, the model): about two
+# minutes on an idle two-core machine, ten under a load of 8; no timing is asserted.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ENGINES = ("nbengine", "hf_static", "hf_cb")
 RUN_FIELDS = ("wall_s", "output_tok_s", "total_tok_s", "ttft_p50_ms", "ttft_p99_ms",
@@ -25,7 +31,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def report(model_dir: Path) -> dict:
-    return run_bench(model_dir, scale=0.1)
+    return run_bench(BenchConfig(model_dir=model_dir, scale=0.1))
 
 
 def _positive(x: object) -> bool:
@@ -45,6 +51,36 @@ def test_every_engine_reports_every_figure(report: dict) -> None:
         assert _positive(report["bounds"][w]["output_tok_s"])
     assert _positive(report["results"]["W2"]["nbengine"]["decode_fraction_of_bound"])
     assert _positive(report["bounds"]["W2"]["decode_step_ms"])
+
+
+def test_every_run_has_a_fresh_process_with_the_same_settings(report: dict) -> None:
+    runs = [r for per in report["results"].values() for r in per.values()]
+    pids = [r["pid"] for r in runs] + [report["abort"]["pid"]]
+    assert len(set(pids)) == len(pids) and os.getpid() not in pids
+    proc = report["machine"]["engine_process"]
+    assert proc["env"]["OMP_WAIT_POLICY"] == report["config"]["omp_wait_policy"] == "PASSIVE"
+    assert proc["torch_threads"] == report["config"]["threads"]
+    assert not any("different settings" in w for w in report["warnings"])
+    for r in runs:
+        assert r["output_tok_s_min"] <= r["output_tok_s"] <= r["output_tok_s_max"]
+        assert r["spread"] >= 0 and r["repeats"] == 1
+
+
+def test_spread_of_repeats_and_its_warning() -> None:
+    steady = median_run([{"output_tok_s": x} for x in (100.0, 104.0, 98.0)])
+    shaky = median_run([{"output_tok_s": x} for x in (100.0, 120.0, 90.0)])
+    assert steady["output_tok_s"] == 100.0 and steady["output_tok_s_all"] == [100.0, 104.0, 98.0]
+    assert (steady["output_tok_s_min"], steady["output_tok_s_max"]) == (98.0, 104.0)
+    assert math.isclose(steady["spread"], 0.06) and math.isclose(shaky["spread"], 0.3)
+    warnings = spread_warnings({"W1": {"a": steady, "b": shaky}}, 0.10)
+    assert len(warnings) == 1 and warnings[0].startswith("W1 b: repeats disagree by 30%")
+    text = format_report({
+        "machine": {"cpu_count": 2, "cpu_flags": [], "torch": "t", "torch_threads": 2,
+                    "transformers": "x", "load_average_start": None, "load_average_end": None,
+                    "bandwidth_gb_s": 1.0, "matmul_gflop_s": 1.0, "matmul_gflop_s_float32": 1.0},
+        "config": {"model_dir": "m", "dtype": "bfloat16", "scale": 1, "repeats": 3},
+        "results": {}, "bounds": {}, "targets": {}, "warnings": warnings, "elapsed_s": 1.0})
+    assert "WARNINGS:" in text and "W1 b: repeats disagree" in text
 
 
 def test_prefix_cache_figures(report: dict) -> None:
@@ -97,6 +133,6 @@ def test_cli_writes_json(model_dir: Path, tmp_path: Path, capsys: pytest.Capture
 
 def test_bad_arguments_raise(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="W9"):
-        run_bench(model_dir, workloads=("W9",))
+        run_bench(model_dir=model_dir, workloads=("W9",))
     with pytest.raises(ValueError, match="vllm"):
-        run_bench(model_dir, engines=("vllm",))
+        BenchConfig(model_dir=model_dir, engines=("vllm",))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,22 @@ def physical_cores() -> int:
     except OSError:
         pass
     return len(cores) or os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo), else the platform's machine type.
+
+    Worth recording with every figure: a virtual machine of the same name may run on a
+    different host CPU from one boot to the next (docs/benchmarks.md).
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def cpu_flags() -> list[str]:

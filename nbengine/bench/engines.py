@@ -1,4 +1,4 @@
-"""The engines ``nbengine bench`` compares, each run on the same workload in one process.
+"""The engines under test: one driver per engine, each running a ``Workload``.
 
 - ``NbengineDriver``: ``nb.Engine`` (a fresh engine per run, so the prefix cache starts
   empty), every request submitted at t0, greedy, ``ignore_eos``. Token arrival times
@@ -24,25 +24,9 @@ from typing import Any
 
 import torch
 
+from nbengine.bench.workloads import Workload
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Workload:
-    """Prompts (token ids) and the number of output tokens each must produce."""
-
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-    shared_prefix: int = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Scale-out measurements behind docs/scale-out.md.
 
-``python -m nbengine.distributed.bench [--model DIR] [--requests 64] [--max-tokens 32]``
+``python -m nbengine.bench.scale_out [--model DIR] [--requests 64] [--max-tokens 32]``
 builds a tiny model if none is given, starts a local Ray instance, and prints, for the
 in-process backend and for ``backend="ray"`` with 1 and 2 replicas: requests/s and
 output tokens/s of a burst, the per-token overhead of one streamed request (frontend

@@ -1,0 +1,34 @@
+"""``nbengine bench``: nbengine against transformers on fixed workloads, and the physical bound.
+
+The package, one concept per module (docs/benchmarks.md describes the method):
+
+- ``config``: ``BenchConfig``, what a run measures and how;
+- ``workloads``: the bench model (random weights in SmolLM2-135M's shape) and the seeded
+  workloads W1, W2, W3;
+- ``engines``: the engines under test (nbengine, transformers static ``generate``,
+  transformers continuous batching), one driver each;
+- ``machine``: what the machine can do (bandwidth, matmul FLOP/s) and a workload's bound;
+- ``runner``: ``run_bench``, which runs them all and assembles the report;
+- ``report``: per-run figures, medians, targets, ``format_report``;
+- ``scale_out``: the Ray data-parallel measurements behind docs/scale-out.md.
+
+``run_bench(BenchConfig(...))`` (or ``run_bench(model_dir=..., scale=0.1)``) returns one
+JSON-able dict; ``format_report()`` renders it as a table.
+"""
+
+from nbengine.bench.config import ALL_ENGINES, BenchConfig
+from nbengine.bench.report import TARGETS, format_report
+from nbengine.bench.runner import run_bench
+from nbengine.bench.workloads import ALL_WORKLOADS, SMOLLM2_135M, bench_model_dir, make_workloads
+
+__all__ = [
+    "ALL_ENGINES",
+    "ALL_WORKLOADS",
+    "BenchConfig",
+    "SMOLLM2_135M",
+    "TARGETS",
+    "bench_model_dir",
+    "format_report",
+    "make_workloads",
+    "run_bench",
+]

@@ -1,0 +1,66 @@
+"""``BenchConfig``: everything that decides what ``nbengine bench`` runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbengine.bench.workloads import ALL_WORKLOADS
+
+__all__ = ["ALL_ENGINES", "BenchConfig"]
+
+ALL_ENGINES = ("nbengine", "hf_static", "hf_cb")
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """What ``run_bench`` runs, and how.
+
+    ``model_dir`` None builds the SmolLM2-135M-shaped random model into ``cache_dir``
+    (default ``$NBENGINE_CACHE/bench``). ``engine_kwargs`` are extra ``nb.Engine``
+    arguments on top of the bench's (64 sequences, 512 batched tokens). ``threads`` is
+    the torch thread count of every engine alike (None: the physical cores), and
+    ``omp_wait_policy`` the ``OMP_WAIT_POLICY`` of every engine's process (PASSIVE, what
+    ``import nbengine`` sets when nothing else has, is what a notebook gets).
+    ``scale`` shrinks every workload (0.1 for a smoke run). A figure whose repeats
+    disagree by more than ``max_spread`` ((max - min) / median) is reported with a warning.
+    """
+
+    model_dir: str | Path | None = None
+    workloads: tuple[str, ...] = ALL_WORKLOADS
+    engines: tuple[str, ...] = ALL_ENGINES
+    dtype: str = "bfloat16"
+    scale: float = 1.0
+    repeats: int = 1
+    seed: int = 0
+    abort_latency: bool = True
+    static_batch_size: int = 16
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str | Path | None = None
+    threads: int | None = None
+    omp_wait_policy: str = "PASSIVE"
+    max_spread: float = 0.10
+
+    def __post_init__(self) -> None:
+        self.workloads = tuple(self.workloads)
+        self.engines = tuple(self.engines)
+        self.engine_kwargs = dict(self.engine_kwargs or {})
+        for w in self.workloads:
+            if w not in ALL_WORKLOADS:
+                raise ValueError(f"Unknown workload {w!r}; choose from {ALL_WORKLOADS}.")
+        for e in self.engines:
+            if e not in ALL_ENGINES:
+                raise ValueError(f"Unknown engine {e!r}; choose from {ALL_ENGINES}.")
+        if self.scale <= 0:
+            raise ValueError(f"scale must be positive, got {self.scale}.")
+        if self.omp_wait_policy not in ("PASSIVE", "ACTIVE"):
+            raise ValueError(f"omp_wait_policy must be PASSIVE or ACTIVE, got "
+                             f"{self.omp_wait_policy!r}.")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}.")
+
+    @property
+    def measure_large(self) -> bool:
+        """Full-size machine measurements (512 MiB copy, 1536^3 matmul) unless a smoke run."""
+        return self.scale >= 0.5

@@ -1,0 +1,221 @@
+"""The report: per-run figures, medians over repeats, targets, and the text table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from nbengine.bench.engines import RunResult
+
+__all__ = ["TARGETS", "format_report", "median_run", "percentile", "spread_warnings", "summarise",
+           "targets", "to_ms"]
+
+TARGETS = {
+    "W1 nbengine / hf_cb output tok/s": 3.0,
+    "W1 nbengine / hf_static output tok/s": 1.5,
+    "W2 nbengine fraction of the bandwidth bound": 0.6,
+    "W3 prefix-cache hit rate": 0.7,
+    "W3 TTFT p50 caching on / off (at most)": 0.5,
+}
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (linear interpolation), None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def to_ms(x: float | None) -> float | None:
+    """Seconds to milliseconds, None stays None."""
+    return None if x is None else x * 1000.0
+
+
+def summarise(r: RunResult) -> dict[str, Any]:
+    """The figures of one run (or its error)."""
+    if r.error is not None:
+        return {"error": r.error}
+    wall = max(r.wall_s, 1e-9)
+    return {
+        "wall_s": r.wall_s,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "output_tok_s": r.output_tokens / wall,
+        "total_tok_s": (r.prompt_tokens + r.output_tokens) / wall,
+        "ttft_p50_ms": to_ms(percentile(r.ttft_s, 50)),
+        "ttft_p99_ms": to_ms(percentile(r.ttft_s, 99)),
+        "itl_p50_ms": to_ms(percentile(r.itl_s, 50)),
+        "itl_p99_ms": to_ms(percentile(r.itl_s, 99)),
+        **r.extra,
+    }
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median output tok/s (the upper middle one for an even count), plus
+    the spread of every repeat's.
+
+    Adds ``output_tok_s_all`` (in run order), ``output_tok_s_min`` / ``_max``,
+    ``output_tok_s_median`` (the mean of the middle two for an even count) and
+    ``spread`` = (max - min) / median.
+    """
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    rates = [r["output_tok_s"] for r in ok]
+    chosen = dict(sorted(ok, key=lambda r: r["output_tok_s"])[len(ok) // 2])
+    med = statistics.median(rates)
+    chosen.update({
+        "repeats": len(ok),
+        "output_tok_s_all": rates,
+        "output_tok_s_min": min(rates),
+        "output_tok_s_max": max(rates),
+        "output_tok_s_median": med,
+        "spread": (max(rates) - min(rates)) / med if med > 0 else 0.0,
+    })
+    return chosen
+
+
+def spread_warnings(results: dict[str, dict[str, dict[str, Any]]], limit: float) -> list[str]:
+    """One line per figure whose repeats disagree by more than ``limit`` (a fraction)."""
+    out = []
+    for w, per in results.items():
+        for e, r in per.items():
+            if r.get("spread", 0.0) > limit:
+                out.append(
+                    f"{w} {e}: repeats disagree by {100 * r['spread']:.0f}% "
+                    f"({r['output_tok_s_min']:.1f}-{r['output_tok_s_max']:.1f} output tok/s, "
+                    f"more than {100 * limit:.0f}%): the machine was not steady; do not "
+                    f"publish this figure")
+    return out
+
+
+def targets(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each target of ``TARGETS``: its value in ``results``, and whether it is met."""
+    def get(w: str, e: str, k: str) -> float | None:
+        v = results.get(w, {}).get(e, {}).get(k)
+        return float(v) if isinstance(v, (int, float)) else None
+
+    out: dict[str, dict[str, Any]] = {}
+
+    def ratio(name: str, a: float | None, b: float | None, at_most: bool = False) -> None:
+        value = a / b if a is not None and b else None
+        target = TARGETS[name]
+        ok = None if value is None else (value <= target if at_most else value >= target)
+        out[name] = {"value": value, "target": target, "pass": ok}
+
+    nb = get("W1", "nbengine", "output_tok_s")
+    ratio("W1 nbengine / hf_cb output tok/s", nb, get("W1", "hf_cb", "output_tok_s"))
+    ratio("W1 nbengine / hf_static output tok/s", nb, get("W1", "hf_static", "output_tok_s"))
+    ratio("W2 nbengine fraction of the bandwidth bound",
+          get("W2", "nbengine", "decode_fraction_of_bound"), 1.0)
+    ratio("W3 prefix-cache hit rate", get("W3", "nbengine", "prefix_cache_hit_rate"), 1.0)
+    ratio("W3 TTFT p50 caching on / off (at most)", get("W3", "nbengine", "ttft_p50_ms"),
+          get("W3", "nbengine_no_prefix_cache", "ttft_p50_ms"), at_most=True)
+    return out
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if not isinstance(x, (int, float)) else fmt.format(x)
+
+
+def _load(x: Any) -> str:
+    """Load averages as ``uptime`` prints them: ``1.23, 0.98, 0.50``."""
+    if not isinstance(x, (list, tuple)) or not x:
+        return "unknown"
+    return ", ".join(f"{float(v):.2f}" for v in x)
+
+
+def _of_bound(frac: float | None) -> str:
+    """``58%``; over 100% is flagged ``!`` (the footnote of the table explains it)."""
+    if frac is None:
+        return "-"
+    return f"{100 * frac:.0f}%" + ("!" if frac > 1.0 else "")
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a plain-text table."""
+    m = report["machine"]
+    cfg = report["config"]
+    lines = [
+        f"nbengine bench: model {cfg['model_dir']} ({cfg['dtype']}), scale {cfg['scale']}, "
+        f"repeats {cfg['repeats']}",
+        f"machine: {m.get('cpu_model', '?')}, {m['cpu_count']} CPUs, flags {' '.join(m['cpu_flags'])}, torch {m['torch']} "
+        f"({m['torch_threads']} threads), transformers {m['transformers']}",
+        f"every run in a fresh process: {m.get('engine_process', {}).get('torch_threads', '?')} "
+        f"torch threads, OMP_WAIT_POLICY={cfg.get('omp_wait_policy')}, a warm-up first",
+        f"load average (1, 5, 15 min): {_load(m['load_average_start'])} at the start, "
+        f"{_load(m['load_average_end'])} at the end",
+        f"memory bandwidth (copy) {m['bandwidth_gb_s']:.1f} GB/s; matmul "
+        f"{m['matmul_gflop_s']:.0f} GFLOP/s ({cfg['dtype']}) (the better of the readings before "
+        f"and after the runs), "
+        f"{m['matmul_gflop_s_float32']:.0f} GFLOP/s (float32)",
+        "",
+        f"{'workload':<9}{'engine':<26}{'out tok/s':>10}{'min-max':>14}{'tot tok/s':>10}"
+        f"{'TTFT p50':>10}"
+        f"{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'of bound':>9}",
+    ]
+    for w, per in report["results"].items():
+        b = report["bounds"].get(w, {})
+        lines.append(
+            f"{w:<9}{'(bound)':<26}{_f(b.get('output_tok_s')):>10}{'':>14}{'':>10}{'':>10}"
+            f"{'':>10}"
+            f"{_f(b.get('decode_step_ms'), '{:.2f}'):>9}{'':>9}{'100%':>9}"
+        )
+        for e, r in per.items():
+            if "error" in r:
+                lines.append(f"{'':<9}{e:<26}error: {r['error']}")
+                continue
+            frac = r.get("decode_fraction_of_bound", r.get("fraction_of_bound"))
+            lines.append(
+                f"{'':<9}{e:<26}{_f(r['output_tok_s']):>10}{_range(r):>14}"
+                f"{_f(r['total_tok_s']):>10}"
+                f"{_f(r['ttft_p50_ms']):>10}{_f(r['ttft_p99_ms']):>10}"
+                f"{_f(r['itl_p50_ms'], '{:.2f}'):>9}{_f(r['itl_p99_ms'], '{:.2f}'):>9}"
+                f"{_of_bound(frac):>9}"
+            )
+            if "prefix_cache_hit_rate" in r and w == "W3":
+                lines.append(f"{'':<35}prefix-cache hit rate {100 * r['prefix_cache_hit_rate']:.0f}%")
+    lines.append("(out tok/s: the median repeat; min-max over the repeats; times in ms; 'of bound' "
+                 "= bound time / measured time, so 100% is the fastest this machine's measured "
+                 "bandwidth and FLOP/s allow; for W2 it is the bound decode step / ITL p50)")
+    if any(_of_bound(r.get("decode_fraction_of_bound", r.get("fraction_of_bound"))).endswith("!")
+           for per in report["results"].values() for r in per.values() if "error" not in r):
+        lines.append("(! over 100%: faster than the bound, so the bound is too low here: its "
+                     "bandwidth or FLOP/s reading was taken while the machine was busy, or the "
+                     "workload fits in caches (--quick); compare the engines with each other)")
+    a = report.get("abort") or {}
+    if a:
+        if "error" in a:
+            lines.append(f"abort(): error: {a['error']}")
+        else:
+            lines.append(f"abort() call-to-return with {a['num_running']} running: "
+                         f"p50 {_f(a['p50_ms'], '{:.2f}')} ms, p99 {_f(a['p99_ms'], '{:.2f}')} ms "
+                         f"({a['num_aborts']} aborts)")
+    for e, msg in report.get("engine_errors", {}).items():
+        lines.append(f"{e} did not run: {msg}")
+    lines.append("")
+    lines.append("targets:")
+    for name, t in report["targets"].items():
+        verdict = {True: "PASS", False: "MISS", None: "n/a"}[t["pass"]]
+        lines.append(f"  {name:<46} {_f(t['value'], '{:.2f}'):>7}  (target {t['target']})  "
+                     f"{verdict}")
+    warnings = report.get("warnings") or []
+    if warnings:
+        lines.append("")
+        lines.append("WARNINGS:")
+        lines.extend(f"  {w}" for w in warnings)
+    lines.append(f"elapsed {report['elapsed_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _range(r: dict[str, Any]) -> str:
+    """``min-max`` of the repeats' output tok/s."""
+    lo, hi = r.get("output_tok_s_min"), r.get("output_tok_s_max")
+    if not isinstance(lo, (int, float)) or not isinstance(hi, (int, float)):
+        return "-"
+    return f"{lo:.1f}-{hi:.1f}"

@@ -1,0 +1,149 @@
+"""One engine on one workload, in a process of its own: ``python -m nbengine.bench.worker``.
+
+``run_bench`` starts this module once per measurement (repeat x workload x engine) with
+the same environment every time, so no engine inherits another's allocator state,
+OpenMP pools, thread settings or warm caches (docs/benchmarks.md, "Why earlier figures
+differed"). The job arrives as a JSON file; the summarised run goes back as a JSON file.
+
+Invariant: every job of one ``run_bench`` call differs only in ``engine``, ``workload``,
+``run`` and ``overrides``; the model, dtype, threads, engine arguments and environment
+are the same, so a difference between two results is the engines' own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Job", "main", "run_job"]
+
+# What the worker reports about its own process, so the report shows that every engine
+# ran under the same settings.
+_ENV_KEYS = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PROC_BIND",
+             "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "NBENGINE_NATIVE")
+
+
+@dataclass(slots=True)
+class Job:
+    """What one worker process measures.
+
+    ``kind`` "run": ``engine`` runs workload ``workload`` (rebuilt from ``workloads``'
+    seed and scale, so it is the same token ids as in the parent) under the label
+    ``label`` with ``overrides`` (nb.Engine arguments for this run only). ``kind``
+    "abort": nbengine's ``abort()`` latency with ``abort_running`` requests decoding.
+    Every run is preceded by a warm-up on the first requests of the same workload.
+    """
+
+    kind: str
+    engine: str
+    label: str
+    workload: str
+    model_dir: str
+    dtype: str
+    threads: int
+    scale: float
+    seed: int
+    vocab: int
+    engine_kwargs: dict[str, Any]
+    static_batch_size: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    abort_running: int = 0
+    abort_count: int = 0
+
+
+def _driver(job: Job) -> Any:
+    from nbengine.bench.engines import HFContinuousDriver, HFStaticDriver, NbengineDriver
+
+    path = Path(job.model_dir)
+    if job.engine == "nbengine":
+        return NbengineDriver(path, job.dtype, job.engine_kwargs)
+    if job.engine == "hf_static":
+        return HFStaticDriver(path, job.dtype, job.static_batch_size)
+    if job.engine == "hf_cb":
+        return HFContinuousDriver(path, job.dtype, job.engine_kwargs["max_num_batched_tokens"],
+                                  job.engine_kwargs["max_num_seqs"])
+    raise ValueError(f"unknown engine {job.engine!r}")
+
+
+def _warmup(wl: Any) -> Any:
+    """The first (up to) 8 requests of ``wl`` with at most 8 output tokens each.
+
+    Long enough for first-call costs (kernel compilation or loading, allocator growth,
+    thread pool start, nbengine's thread chooser) to be paid outside the measurement;
+    short next to the measured run.
+    """
+    from nbengine.bench.workloads import Workload
+
+    n = min(8, len(wl.prompts))
+    return Workload(f"{wl.name}-warmup", wl.prompts[:n], [min(8, o) for o in wl.output_lens[:n]],
+                    wl.shared_prefix)
+
+
+def _process_state() -> dict[str, Any]:
+    import torch
+
+    return {
+        "pid": os.getpid(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "env": {k: os.environ.get(k) for k in _ENV_KEYS},
+    }
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Run ``job`` in this process and return its summary (figures, or an error)."""
+    import torch
+
+    from nbengine.bench.report import percentile, summarise, to_ms
+    from nbengine.bench.workloads import make_workloads
+
+    torch.set_num_threads(job.threads)
+    wl = make_workloads((job.workload,), job.vocab, job.scale, job.seed)[job.workload]
+    t_load = time.perf_counter()
+    driver = _driver(job)
+    out: dict[str, Any] = {"load_s": time.perf_counter() - t_load}
+    t_warm = time.perf_counter()
+    warm = driver.run(_warmup(wl), **job.overrides)
+    if warm.error:
+        raise RuntimeError(f"warm-up failed: {warm.error}")
+    out["warmup_s"] = time.perf_counter() - t_warm
+    out["load_average_before"] = list(os.getloadavg())
+    if job.kind == "abort":
+        lat = driver.abort_latency(wl.prompts, job.abort_running, job.abort_count)
+        out.update({"num_running": job.abort_running, "num_aborts": len(lat),
+                    "p50_ms": to_ms(percentile(lat, 50)), "p99_ms": to_ms(percentile(lat, 99))})
+    else:
+        out.update(summarise(driver.run(wl, **job.overrides)))
+    out["load_average_after"] = list(os.getloadavg())
+    out["process"] = _process_state()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nbengine.bench.worker JOB.json RESULT.json``."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("job")
+    ap.add_argument("result")
+    args = ap.parse_args(argv)
+    job = Job(**json.loads(Path(args.job).read_text()))
+    try:
+        result = run_job(job)
+    except Exception as exc:  # reported by the parent as this engine's error
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    Path(args.result).write_text(json.dumps(result))
+    return 0
+
+
+def job_json(job: Job) -> str:
+    """``job`` as the JSON the worker reads."""
+    return json.dumps(asdict(job))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
