@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import math
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -257,7 +258,12 @@ class DashboardView:
 
     def _refresh_replicas(self) -> None:
         try:
-            replicas = self.monitor.engine.replicas()
+            engine = self.monitor.engine
+            replicas = engine.replicas()
+            model = engine.config.model.model
+            name = "default model" if model is None else Path(str(model)).name
+            self._set(self.dash.title, "value",
+                      f"<b>nbengine</b> · {html.escape(name)} · {html.escape(engine.dtype)}")
         except Exception:  # the engine is gone: keep the last state shown
             return
         lines = []

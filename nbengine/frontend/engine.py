@@ -186,6 +186,11 @@ class Engine:
             tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
         self.tokenizer = tokenizer
         self._model_dir = model_dir
+        if self.config.model.dtype == "auto" and model_dir is not None:
+            # Resolved once, here, so the config (and every replica) names the real dtype.
+            from nbengine.model.loader import auto_dtype, read_hf_config
+
+            self.config.model.dtype = auto_dtype(read_hf_config(model_dir))
         self.backend = backend
         self._client: CoreClient = make_core_client(backend, self.config, runner, backend_options)
         if backend == "inproc":  # in-process internals that tests reach into
@@ -743,7 +748,5 @@ class Engine:
 
     @property
     def dtype(self) -> str:
-        """The dtype the model runs in (``dtype="auto"`` resolved)."""
-        from nbengine.model.loader import resolve_dtype
-
-        return str(resolve_dtype(self.config.model.dtype)).removeprefix("torch.")
+        """The dtype the model runs in (``dtype="auto"`` resolved: docs/models.md)."""
+        return self.config.model.dtype

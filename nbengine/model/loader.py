@@ -6,13 +6,12 @@ from every ``*.safetensors`` in the directory. Every problem (missing file, unsu
 architecture, missing tensor, wrong shape) raises ``ModelLoadError`` (a ``ValueError``)
 naming it; a missing directory raises ``FileNotFoundError``.
 
-``dtype="auto"`` resolves to float32 on CPU. Measured on this machine (AMD EPYC, 2 cores,
-flags avx512f + avx512_bf16; torch 2.13): a [64, 2048] x [2048, 2048] matmul takes
-4.1 ms in float32, 1.5 ms in bfloat16 and 1530 ms in float16 (no native fp16 GEMM);
-a single-row (decode) matmul takes 0.39 ms float32 vs 0.34 ms bfloat16. bfloat16 is
-faster for prefill but does not reproduce float32 greedy decoding token for token,
-and float16 is unusable on this CPU, so "auto" picks float32; pass dtype="bfloat16"
-explicitly for speed.
+``dtype="auto"`` follows vLLM: the checkpoint's own dtype (``torch_dtype``) when this
+machine runs it well: a bfloat16 (or float16) checkpoint runs in bfloat16 where
+nbengine's native bfloat16 kernels are available (x86-64 with AVX-512 BF16), and in
+float32 elsewhere, where torch's bfloat16 CPU paths are slower than float32; float16 is
+never picked on a CPU (no fast float16 matrix products). docs/models.md, "dtype", and
+docs/benchmarks.md give the measured reasons.
 """
 
 from __future__ import annotations
@@ -100,10 +99,21 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return path
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
-    """Map ModelConfig.dtype to a torch dtype ("auto" -> float32, see the module docstring)."""
+def auto_dtype(hf_config: dict[str, Any]) -> str:
+    """What ``dtype="auto"`` means for a checkpoint on this machine (module docstring)."""
+    declared = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if declared in ("bfloat16", "float16"):
+        from nbengine.ops import native
+
+        if native.unavailable_reason() is None:
+            return "bfloat16"
+    return "float32"
+
+
+def resolve_dtype(dtype: str, hf_config: dict[str, Any] | None = None) -> torch.dtype:
+    """Map ModelConfig.dtype to a torch dtype ("auto": ``auto_dtype`` of the checkpoint)."""
     if dtype == "auto":
-        return torch.float32
+        return _DTYPES[auto_dtype(hf_config or {})]
     try:
         return _DTYPES[dtype]
     except KeyError:
@@ -292,7 +302,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     arch = architecture_of(cfg, path)
     check_hf_config(cfg, path)
     tokenizer = Tokenizer.from_dir(path)  # validates tokenizer.json early
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_dtype(config.dtype, cfg)
     max_len = _max_model_len(cfg, arch, config.max_model_len)
     model = build_model(cfg, arch, max_len, path)
     model.tie_weights()

@@ -18,9 +18,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", **TINY)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Iterator[nb.Engine]:
-    with nb.Engine(str(tiny_model), **ENGINE_KW) as eng:
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engine(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[nb.Engine]:
+    """The shared engine, in float32 and in bfloat16 (where the native kernels run: the
+    default path for bfloat16 checkpoints such as the shipped model, docs/models.md)."""
+    with nb.Engine(str(tiny_model), dtype=request.param, **ENGINE_KW) as eng:
         yield eng
     assert not eng.is_alive
 

@@ -34,9 +34,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("rel") / "llama", arch="llama", **TINY)
 
 
-@pytest.fixture
-def engine(tiny_model: Path) -> Iterator[nb.Engine]:
-    eng = nb.Engine(str(tiny_model), **ENGINE_KW)
+@pytest.fixture(params=["float32", "bfloat16"])
+def engine(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[nb.Engine]:
+    """A fresh engine per test, in float32 and in bfloat16 (the native kernels' path)."""
+    eng = nb.Engine(str(tiny_model), dtype=request.param, **ENGINE_KW)
     try:
         yield eng
     finally:
