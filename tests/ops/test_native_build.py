@@ -66,3 +66,29 @@ def test_a_tampered_cached_library_is_rebuilt(tmp_path: Path) -> None:
     assert _run(LOAD, tmp_path)["ok"] and record.exists()
     os.chmod(library, 0o777)  # writable by anyone: rebuilt with safe permissions
     assert _run(LOAD, tmp_path)["ok"] and library.stat().st_mode & 0o022 == 0
+
+
+def test_auto_dtype_follows_the_checkpoint_and_the_machine(tmp_path: Path) -> None:
+    """A bfloat16 checkpoint runs in bfloat16 where the native kernels are available, in
+    float32 where they are not (NBENGINE_NATIVE=0 stands in for a CPU without AVX-512
+    BF16); an explicit bfloat16 then takes the torch path and still generates."""
+    model = make_tiny_model(tmp_path / "llama", arch="llama", **TINY_LLAMA)
+    cfg_file = model / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    cfg_file.write_text(json.dumps(cfg))
+    code = (
+        "import json, nbengine as nb\n"
+        "from nbengine.ops import native\n"
+        f"with nb.Engine({str(model)!r}) as auto, nb.Engine({str(model)!r}, dtype='bfloat16') as bf:\n"
+        "    p = nb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)\n"
+        "    n = len(bf.generate('Once upon', p).result(120).outputs[0].token_ids)\n"
+        "    print(json.dumps({'auto': auto.dtype, 'tokens': n,"
+        " 'native': native.kernels.cache_info().currsize > 0 and native.kernels() is not None}))"
+    )
+    with_native = native._unsupported() is None
+    result = _run(code, tmp_path / "cache")
+    assert result == {"auto": "bfloat16" if with_native else "float32", "tokens": 6,
+                      "native": with_native}
+    env_code = "import os\nos.environ['NBENGINE_NATIVE'] = '0'\n" + code
+    assert _run(env_code, tmp_path / "cache") == {"auto": "float32", "tokens": 6, "native": False}
