@@ -1,6 +1,6 @@
 """Request state and the user-visible lifecycle.
 
-``RequestStatus`` is the lifecycle every request walks through (DESIGN.md section 3)::
+``RequestStatus`` is the lifecycle every request walks through (docs/lifecycle.md)::
 
     QUEUED -> WAITING -> RUNNING <-> PREEMPTED -> RELEASING -> FINISHED_*
 

@@ -4,7 +4,7 @@ The ``Engine`` (frontend) owns the request registry and sends ADD / ABORT / UTIL
 messages, keyed by internal request key, through ``send``; the client delivers every
 ``EngineCoreOutputs`` batch back through the ``emit`` callback given to ``start``.
 
-Contract every client keeps (DESIGN.md section 3, across any process boundary):
+Contract every client keeps (docs/lifecycle.md and docs/scale-out.md; across any process boundary):
 
 - ``send`` is called on the engine's loop thread only, never blocks on the model, and
   messages for one core are applied by that core in the order they were sent;

@@ -1,4 +1,4 @@
-"""``Engine``: the in-process LLM engine (DESIGN.md sections 2-4).
+"""``Engine``: the in-process LLM engine (docs/architecture.md: threads, queues, the step loop).
 
 Threads:
 

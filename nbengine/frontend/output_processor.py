@@ -2,8 +2,8 @@
 
 Runs on the ``nbengine-loop`` thread only; all state here is owned by that thread.
 
-Registry invariant (DESIGN.md section 3): ``requests`` maps a user id to its live
-incarnation from registration until its final output has been delivered, and
+Registry invariant (docs/lifecycle.md, "The invariant"): ``requests`` maps a user id to
+its live incarnation from registration until its final output has been delivered, and
 ``keys`` maps every internal key the core may still hold to its child state. So the
 set the frontend considers live always contains the set the core holds. Outputs are
 routed by key only: an output whose key is unknown (an earlier incarnation, a

@@ -1,4 +1,4 @@
-"""The abort protocol (DESIGN.md section 3) through the real engine."""
+"""The abort protocol (docs/lifecycle.md) through the real engine."""
 
 from __future__ import annotations
 
