@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_wheel_installs_the_kernel_and_the_default_model(tmp_path: Path) -> None:
+    # Built from a copy of what a source distribution holds, so that setuptools' build/
+    # directory (which keeps files deleted since) never lands in the checkout.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "nbengine", src / "nbengine",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path / "dist"), str(ROOT)], check=True, timeout=600)
+                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=600)
     wheel = next((tmp_path / "dist").glob("nbengine-*.whl"))
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
