@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from nbengine.core.messages import EngineCoreMessage, EngineCoreRequest, MessageType
 from nbengine.distributed.ray_actor import ReplicaWorker, WireMessage
 from nbengine.distributed.router import Router
-from nbengine.frontend.core_client import CoreClient, EmitFn, ExitFn, FailKeysFn, RoutedFn
+from nbengine.core.client import CoreClient, EmitFn, ExitFn, FailKeysFn, RoutedFn
 from nbengine.request import EngineDeadError
 
 if TYPE_CHECKING:

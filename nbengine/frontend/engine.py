@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio.from_thread
 
 from nbengine.config import EngineConfig
+from nbengine.core.client import CoreClient, make_core_client
 from nbengine.core.messages import (
     EngineCoreMessage,
     EngineCoreOutputs,
@@ -40,7 +41,6 @@ from nbengine.core.messages import (
     MessageType,
     StepStats,
 )
-from nbengine.frontend.core_client import CoreClient, fail_keys, make_core_client
 from nbengine.dashboard.monitor import EngineMonitor
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
 from nbengine.frontend.events import LifecycleEvent
@@ -312,7 +312,7 @@ class Engine:
     def _fail_keys(self, keys: set[str], message: str) -> None:
         """Loop thread: one replica is lost; fail only the requests it held."""
         try:
-            fail_keys(self._processor, keys, message)
+            self._processor.fail_requests(keys, message)
         except Exception as exc:
             logger.exception("failing the requests of a lost replica failed")
             self._die(f"Output processing failed: {type(exc).__name__}: {exc}")

@@ -75,7 +75,7 @@ def test_dead_replica_gets_nothing_and_returns_its_keys() -> None:
 
 def test_default_backend_never_imports_ray() -> None:
     code = (
-        "import sys, nbengine, nbengine.distributed, nbengine.frontend.core_client\n"
+        "import sys, nbengine, nbengine.distributed, nbengine.core.client\n"
         "assert 'ray' not in sys.modules, 'ray imported'\n"
         "print('ok')\n"
     )

@@ -1,4 +1,7 @@
-"""``CoreClient``: how the frontend talks to its engine core(s).
+"""``CoreClient``: how the frontend talks to its engine core(s) (the backend contract).
+
+It lives on the core side: backends (the in-process thread here, Ray actors in
+``nbengine.distributed``) implement it without depending on the frontend.
 
 The ``Engine`` (frontend) owns the request registry and sends ADD / ABORT / UTILITY
 messages, keyed by internal request key, through ``send``; the client delivers every
@@ -26,7 +29,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +38,8 @@ from nbengine.core.messages import EngineCoreMessage, EngineCoreOutputs, Message
 if TYPE_CHECKING:
     from nbengine.config import EngineConfig
     from nbengine.core.engine_core import EngineCore, RunnerLike
-    from nbengine.frontend.output_processor import OutputProcessor
 
-__all__ = ["BACKENDS", "CoreClient", "InprocCoreClient", "fail_keys", "make_core_client"]
+__all__ = ["BACKENDS", "CoreClient", "InprocCoreClient", "make_core_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -230,8 +232,3 @@ def make_core_client(
 
         return RayCoreClient(config, **options)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
-
-
-def fail_keys(processor: OutputProcessor, keys: Iterable[str], message: str) -> int:
-    """Loop thread: fail the live requests owning ``keys`` (a lost replica's); returns how many."""
-    return processor.fail_requests(keys, message)
