@@ -410,12 +410,6 @@ class MetricsLog:
                 chosen = live + recent
             return [_row(s) for s in chosen], counts
 
-    def request_row(self, key: str) -> RequestRow | None:
-        """One request's summary (None if unknown or evicted)."""
-        with self._lock:
-            s = self._requests.get(key)
-            return None if s is None else _row(s)
-
     def recent_steps(self, n: int | None = None) -> list[StepStats]:
         """The last ``n`` steps (all held steps if None), oldest first."""
         with self._lock:
@@ -432,10 +426,6 @@ class MetricsLog:
                 out.append(st)
         out.reverse()
         return out
-
-    def latest_step(self) -> StepStats | None:
-        with self._lock:
-            return self._steps[-1] if self._steps else None
 
     def latest_steps(self) -> dict[int, StepStats]:
         """Each engine core's (replica's) most recent step: with several replicas, their

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from nbengine.outputs import PositionLogprobs
 from nbengine.request import FinishReason, RequestStatus
@@ -113,5 +113,3 @@ class EngineCoreOutputs:
     # Set once, when the core dies: every live request must fail with this message.
     engine_error: str | None = None
 
-
-UtilityFn = Callable[..., Any]

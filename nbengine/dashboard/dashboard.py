@@ -143,6 +143,8 @@ class DashboardView:
         self._shown: dict[tuple[int, str], Any] = {}
         self._ticks = 0
         self._chart_version = -1
+        self._model_label = ""  # " · <model> · <dtype>", kept fresh by _refresh_replicas
+        self._refresh_replicas()
         dash.cancel_all.on_click(self._on_cancel_all)
         for row in dash.rows:
             row.cancel.on_click(lambda _b, row=row: self._on_cancel_row(row))
@@ -203,7 +205,7 @@ class DashboardView:
         alive = self.monitor.engine_alive()
         state = "" if alive else " — engine stopped"
         self._set(dash.title, "value",
-                  f"<b>nbengine</b> — {n_live} live, {n_done} finished{state}"
+                  f"<b>nbengine</b>{self._model_label} — {n_live} live, {n_done} finished{state}"
                   f'<br><span style="font-size:11px;color:#666">{html.escape(parts)}</span>')
         self._set(dash.cancel_all, "disabled", n_live == 0 or not alive)
         for row, r in zip(dash.rows, rows + [None] * (len(dash.rows) - len(rows))):
@@ -262,8 +264,8 @@ class DashboardView:
             replicas = engine.replicas()
             model = engine.config.model.model
             name = "default model" if model is None else Path(str(model)).name
-            self._set(self.dash.title, "value",
-                      f"<b>nbengine</b> · {html.escape(name)} · {html.escape(engine.dtype)}")
+            # Shown in the title (with the counts): which model runs, in which dtype.
+            self._model_label = f" · {html.escape(name)} · {html.escape(engine.dtype)}"
         except Exception:  # the engine is gone: keep the last state shown
             return
         lines = []
