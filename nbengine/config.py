@@ -33,7 +33,9 @@ def _check_types(obj: object, ints: tuple[str, ...], bools: tuple[str, ...] = ()
 class ModelConfig:
     """Which model to load and how.
 
-    ``model`` is a Hugging Face-format directory; None means the shipped default model.
+    ``model`` is a Hugging Face-format directory or a Hugging Face Hub model id
+    ("org/name"); None means the shipped default model. ``revision`` (a branch, tag or
+    commit of a Hub model; None: "main") is ignored for directories.
     ``max_model_len`` None means the model's own ``max_position_embeddings``.
     ``seed`` seeds the sampler for requests without their own ``SamplingParams.seed``;
     None (the default, as in vLLM) draws a fresh random seed for each engine, so two runs
@@ -45,6 +47,7 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int | None = None
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         _check_types(self, ints=("max_model_len",))
@@ -58,6 +61,8 @@ class ModelConfig:
             raise TypeError(f"seed must be an int, got {self.seed!r}.")
         if not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}.")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise TypeError(f"revision must be a non-empty string or None, got {self.revision!r}.")
 
 
 @dataclass(slots=True)

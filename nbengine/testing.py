@@ -9,7 +9,9 @@ No network access and no ``transformers`` import.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -262,12 +264,16 @@ def make_tiny_model(
     arguments override config.json fields (``hidden_size``, ``num_hidden_layers``,
     ``num_key_value_heads``, ``tie_word_embeddings``, ``rope_scaling``, ``vocab_size``...;
     GPT-2 uses its own names: ``n_embd``, ``n_layer``, ``n_head``, ``n_positions``).
-    ``weight_std`` (not a config field) sets the std of the random projections.
+    ``weight_std`` (not a config field) sets the std of the random projections;
+    ``chat_template`` (not a config field) is written into tokenizer_config.json
+    (``QWEN_CHAT_TEMPLATE`` suits the qwen archs, whose tokenizers have ``<|im_start|>``
+    and ``<|im_end|>``).
     The same ``(arch, seed, config)`` always writes the same weights.
     """
     if arch not in ARCHS:
         raise ValueError(f"Unknown arch {arch!r}; choose one of {ARCHS}.")
     std = float(config.pop("weight_std", 0.08))
+    chat_template: str | None = config.pop("chat_template", None)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     family = _FAMILY[arch]
@@ -314,6 +320,77 @@ def make_tiny_model(
         gen_cfg = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|endoftext|>"]}
     tok_cfg.update({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30,
                     "clean_up_tokenization_spaces": False})
+    if chat_template is not None:
+        tok_cfg["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     return path
+
+
+# The ChatML chat template of Qwen2.5's instruct models (without its tool-calling
+# branches), for tiny qwen models that chat: make_tiny_model(..., chat_template=...).
+QWEN_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+
+def _git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def make_hub_cache(
+    cache_dir: str | Path, repo_id: str, model_dir: str | Path, revision: str = "main"
+) -> Path:
+    """Place the files of ``model_dir`` in a Hugging Face Hub cache as Hub model ``repo_id``.
+
+    Lays the files out as ``huggingface_hub`` does when it downloads a snapshot, so that
+    ``HF_HUB_CACHE=cache_dir`` (or ``HF_HOME=<dir>`` with ``cache_dir = <dir>/hub``) makes
+    ``nb.Engine(repo_id)`` find them with no network::
+
+        models--{org}--{name}/
+          blobs/<etag>                      file contents: the sha256 for LFS files
+                                            (*.safetensors), the git blob sha1 otherwise
+          snapshots/<commit>/<file>         -> ../../blobs/<etag> (relative symlinks)
+          refs/<revision>                   the commit hash, no newline
+
+    The commit hash is derived from the files (the same files give the same commit).
+    Returns the snapshot directory.
+    """
+    cache_dir, model_dir = Path(cache_dir), Path(model_dir)
+    storage = cache_dir / ("models--" + repo_id.replace("/", "--"))
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    etags: dict[str, str] = {}
+    for f in files:
+        data = f.read_bytes()
+        lfs = f.suffix == ".safetensors"
+        etags[f.name] = hashlib.sha256(data).hexdigest() if lfs else _git_blob_sha1(data)
+    commit = hashlib.sha1(
+        "".join(f"{name}:{etag}\n" for name, etag in etags.items()).encode()
+    ).hexdigest()
+    snapshot = storage / "snapshots" / commit
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        blob = storage / "blobs" / etags[f.name]
+        if not blob.exists():
+            blob.write_bytes(f.read_bytes())
+        link = snapshot / f.name
+        if not link.exists():
+            os.symlink(os.path.join("..", "..", "blobs", etags[f.name]), link)
+    (storage / "refs").mkdir(exist_ok=True)
+    (storage / "refs" / revision).write_text(commit)
+    return snapshot

@@ -179,7 +179,7 @@ class Engine:
         # The model directory (None only for a test's injected tokenizer and default model).
         model_dir: Path | None = None
         if tokenizer is None or model is not None:
-            model_dir = resolve_model_dir(model)
+            model_dir = resolve_model_dir(model, self.config.model.revision)
         if tokenizer is None:
             from nbengine.model.tokenizer import Tokenizer
 

@@ -74,8 +74,13 @@ class LoadedModel:
     kv_sliding_window: int | None = None
 
 
-def resolve_model_dir(model: str | Path | None) -> Path:
-    """The model directory for ``model`` (None -> the shipped default model)."""
+def resolve_model_dir(model: str | Path | None, revision: str | None = None) -> Path:
+    """The model directory for ``model`` (None -> the shipped default model).
+
+    A string that is not an existing path but reads as a Hugging Face Hub id ("org/name")
+    resolves to its snapshot in the Hub cache, downloaded if needed (model/hub.py);
+    ``revision`` (branch, tag or commit) applies to Hub ids only.
+    """
     if model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").is_file():
             raise FileNotFoundError(
@@ -87,9 +92,13 @@ def resolve_model_dir(model: str | Path | None) -> Path:
         raise TypeError(f"model must be a path (str or Path) or None, got {model!r}.")
     path = Path(model).expanduser()
     if not path.exists():
+        from nbengine.model.hub import is_hub_repo_id, resolve_hub_model
+
+        if isinstance(model, str) and is_hub_repo_id(model):
+            return resolve_hub_model(model, revision)
         raise FileNotFoundError(
-            f"Model directory {str(path)!r} does not exist (nbengine never downloads from a "
-            "hub; pass a local Hugging Face-format directory)."
+            f"Model directory {str(path)!r} does not exist (and it is not a Hugging Face Hub "
+            "model id such as 'org/name')."
         )
     if not path.is_dir():
         raise ModelLoadError(
@@ -297,7 +306,7 @@ def load_weights(model: nn.Module, weight_map: WeightMap, path: Path, dtype: tor
 
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load the model named by ``config`` (directory, dtype, max_model_len)."""
-    path = resolve_model_dir(config.model)
+    path = resolve_model_dir(config.model, config.revision)
     cfg = read_hf_config(path)
     arch = architecture_of(cfg, path)
     check_hf_config(cfg, path)

@@ -1,0 +1,197 @@
+"""Model ids from the Hugging Face Hub: ``nb.Engine("org/name", revision=None)``.
+
+A model argument that is not an existing directory but reads as a Hub repo id is
+resolved through ``huggingface_hub.snapshot_download``, in this order (docs/models.md,
+"Models from the Hugging Face Hub"):
+
+1. the Hub cache (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``),
+   with ``local_files_only=True``: no network when a complete snapshot is already there;
+2. otherwise a download, with huggingface_hub's progress bars (``tqdm.auto``: a widget in
+   a notebook), of only the files the loader reads (``ENGINE_FILES``, then the
+   safetensors weights: the shards named by ``model.safetensors.index.json``, else the
+   top-level ``*.safetensors``). Never ``*.bin``, never Python code.
+
+``HF_HUB_OFFLINE=1`` stops after step 1; ``HF_ENDPOINT`` and ``HF_TOKEN`` are
+huggingface_hub's own. Every failure becomes a ``ModelLoadError`` that says what to do.
+
+huggingface_hub reads its environment variables when it is first imported, so it is
+imported here lazily, on the first Hub resolution.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from nbengine.model.errors import ModelLoadError
+
+__all__ = ["ENGINE_FILES", "is_hub_repo_id", "resolve_hub_model", "weight_patterns"]
+
+logger = logging.getLogger(__name__)
+
+# Every small file nbengine reads from a model directory (loader.py, tokenizer.py,
+# chat_template.py). Anything else in a repo (README, *.bin, *.py, onnx/, original/) is
+# never downloaded.
+ENGINE_FILES: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "model.safetensors.index.json",
+)
+
+# "name" or "org/name": letters, digits, "-", "_", "." (no "--" or ".." and no leading
+# or trailing "-" or "."), as the Hub allows.
+_REPO_ID = re.compile(r"^(?:[\w][\w.-]{0,95}/)?[\w][\w.-]{0,95}$")
+
+
+def is_hub_repo_id(model: str) -> bool:
+    """True if ``model`` (which is not an existing path) reads as a Hub repo id."""
+    if model.startswith((".", "~", "/")) or "\\" in model:
+        return False
+    if not _REPO_ID.match(model) or "--" in model or ".." in model:
+        return False
+    return not any(part.endswith((".", "-")) for part in model.split("/"))
+
+
+def weight_patterns(snapshot: Path) -> list[str]:
+    """The safetensors files the loader will read, as ``allow_patterns``.
+
+    With an index, exactly its shards (a repo may also hold a consolidated copy, e.g.
+    Mistral's ``consolidated.safetensors``, which would double the download); without
+    one, every top-level ``*.safetensors`` (the loader's own rule, loader.py).
+    """
+    index = snapshot / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"Cannot read the shard index {index}: {exc}") from exc
+        return sorted({str(name) for name in weight_map.values()})
+    return ["*.safetensors"]
+
+
+def _is_complete(snapshot: Path) -> bool:
+    """A snapshot holds what the loader needs: config, tokenizer and every weight file."""
+    if not (snapshot / "config.json").is_file() or not (snapshot / "tokenizer.json").is_file():
+        return False
+    patterns = weight_patterns(snapshot)
+    if patterns == ["*.safetensors"]:
+        return any(snapshot.glob("*.safetensors"))
+    return all((snapshot / name).is_file() for name in patterns)
+
+
+def _hint_offline() -> str:
+    return (
+        "HF_HUB_OFFLINE=1 is set, so nothing is downloaded: unset it (with network access) "
+        "or download the model first, e.g. `hf download <repo>`."
+    )
+
+
+def _describe(repo_id: str, revision: str | None) -> str:
+    return f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+
+
+def _as_model_load_error(exc: Exception, repo_id: str, revision: str | None) -> ModelLoadError:
+    """A ModelLoadError that says what went wrong with ``repo_id`` and what to do."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    what = _describe(repo_id, revision)
+    cache = constants.HF_HUB_CACHE
+    if isinstance(exc, GatedRepoError):  # a subclass of RepositoryNotFoundError: test first
+        msg = (
+            f"The Hugging Face Hub model {repo_id!r} is gated: accept its terms on its page "
+            f"(https://huggingface.co/{repo_id}), then log in (`hf auth login`) or set HF_TOKEN."
+        )
+    elif isinstance(exc, RepositoryNotFoundError):
+        msg = (
+            f"{repo_id!r} is neither a local directory nor a model on the Hugging Face Hub "
+            "(or it is private: log in with `hf auth login` or set HF_TOKEN)."
+        )
+    elif isinstance(exc, RevisionNotFoundError):
+        msg = f"The Hugging Face Hub model {repo_id!r} has no revision {revision!r}."
+    elif isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+        if constants.HF_HUB_OFFLINE:
+            msg = f"The model {what} is not in the Hub cache ({cache}). " + _hint_offline()
+        else:
+            msg = (
+                f"Cannot reach the Hugging Face Hub ({constants.ENDPOINT}) to download {what}, "
+                f"and it is not in the Hub cache ({cache}). Check the network (or HF_ENDPOINT), "
+                "or point HF_HUB_CACHE / HF_HOME at a cache that holds it."
+            )
+    else:
+        msg = f"Downloading {what} from the Hugging Face Hub failed: {type(exc).__name__}: {exc}"
+    return ModelLoadError(msg)
+
+
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str], *,
+              local_files_only: bool) -> Path:
+    from huggingface_hub import snapshot_download
+
+    folder = snapshot_download(
+        repo_id,
+        revision=revision,
+        allow_patterns=patterns,
+        ignore_patterns=["*/*"],  # the loader reads the top level only
+        local_files_only=local_files_only,
+    )
+    return Path(folder)
+
+
+def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot directory of Hub model ``repo_id`` (cache first, then download).
+
+    Raises ``ModelLoadError`` for a missing, private or gated repo, an unknown revision,
+    or a model that is neither cached nor reachable (``HF_HUB_OFFLINE=1``, no network).
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        # The same patterns as the download: huggingface_hub checks them against the
+        # tree listing it cached with the snapshot (trees/<commit>.json), if any.
+        cached = _snapshot(repo_id, revision, list(ENGINE_FILES), local_files_only=True)
+    except HFValidationError as exc:
+        raise ModelLoadError(f"{repo_id!r} is not a valid Hub model id: {exc}") from exc
+    except Exception:  # not cached (LocalEntryNotFoundError), or only partly
+        cached = None
+    if cached is not None and _is_complete(cached):
+        logger.info("Using %s from the Hub cache: %s", _describe(repo_id, revision), cached)
+        return cached
+    if constants.HF_HUB_OFFLINE:
+        where = f"is incomplete in the Hub cache ({cached})" if cached else (
+            f"is not in the Hub cache ({constants.HF_HUB_CACHE})")
+        raise ModelLoadError(f"The model {_describe(repo_id, revision)} {where}. " + _hint_offline())
+    try:
+        # The small files first: the shard index says which weight files to fetch.
+        snapshot = _snapshot(repo_id, revision, list(ENGINE_FILES), local_files_only=False)
+        # Pin the commit just resolved, so that both downloads come from one revision.
+        commit = snapshot.name
+        _snapshot(repo_id, commit, weight_patterns(snapshot), local_files_only=False)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise _as_model_load_error(exc, repo_id, revision) from exc
+    if not (snapshot / "config.json").is_file():
+        raise ModelLoadError(
+            f"The Hugging Face Hub model {_describe(repo_id, revision)} has no config.json; "
+            "nbengine loads Hugging Face transformers-format models (docs/models.md)."
+        )
+    if not any(snapshot.glob("*.safetensors")):
+        raise ModelLoadError(
+            f"The Hugging Face Hub model {_describe(repo_id, revision)} has no safetensors "
+            "weights; nbengine does not load pytorch_model.bin (docs/models.md)."
+        )
+    return snapshot

@@ -1,0 +1,203 @@
+"""Hub model ids: ``nb.Engine("org/name")`` resolves through huggingface_hub.
+
+No test reaches the real Hub. Cache tests lay out a Hub cache as huggingface_hub does
+(``nbengine.testing.make_hub_cache``) and let huggingface_hub's own offline resolution
+find it; download tests point ``HF_ENDPOINT`` at a local server (tests/model/hub_server.py
+says which routes it serves and why they suffice). huggingface_hub reads ``HF_*``
+variables when it is imported, so each scenario runs in a fresh Python process with the
+environment a user would set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hub_server import HubRepo, repo_from_dir, serve_hub
+from nbengine.model.hub import is_hub_repo_id
+from nbengine.testing import TINY_LLAMA, make_hub_cache, make_tiny_model
+
+# Each scenario prints one JSON line: what a user would see.
+_PRELUDE = """
+import json, sys
+import nbengine as nb
+from nbengine.model import ModelLoadError, resolve_model_dir
+
+def outcome(fn):
+    try:
+        return {"ok": str(fn())}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+def greedy(model, **kw):
+    with nb.LLM(model, num_kv_blocks=32, **kw) as llm:
+        out = llm.generate("Once upon a time", nb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+        return out[0].outputs[0].token_ids
+"""
+
+
+def _run(code: str, env: dict[str, str]) -> tuple[dict[str, object], str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    base.update(env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
+        env=base, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama", **TINY_LLAMA)
+
+
+def test_repo_ids_and_paths_are_told_apart() -> None:
+    for repo in ("gpt2", "Qwen/Qwen2.5-0.5B-Instruct", "meta-llama/Llama-3.2-1B", "a_b/c.d"):
+        assert is_hub_repo_id(repo)
+    for path in ("./model", "../m", "/abs/model", "~/m", "a/b/c", "a\\b", "org/-x", "org/x.",
+                 "a--b/c", "", "org/"):
+        assert not is_hub_repo_id(path)
+
+
+def test_hub_cache_resolves_offline_via_hf_hub_cache_and_hf_home(tiny: Path, tmp_path: Path) -> None:
+    snap = make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny)
+    make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny, revision="v1")
+    result, _ = _run(f"""
+        print(json.dumps({{
+            "path": outcome(lambda: resolve_model_dir("tiny-org/tiny-llama")),
+            "tag": outcome(lambda: resolve_model_dir("tiny-org/tiny-llama", revision="v1")),
+            "hub_ids": greedy("tiny-org/tiny-llama"),
+            "dir_ids": greedy({str(tiny)!r}),
+            "missing": outcome(lambda: resolve_model_dir("tiny-org/not-cached")),
+            "bad_rev": outcome(lambda: nb.Engine("tiny-org/tiny-llama", revision="v2")),
+        }}))
+    """, {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert result["path"] == {"ok": str(snap)}
+    assert result["tag"] == {"ok": str(snap)}
+    assert result["hub_ids"] == result["dir_ids"] and len(result["hub_ids"]) == 8
+    for key, name in (("missing", "tiny-org/not-cached"), ("bad_rev", "tiny-org/tiny-llama")):
+        err = result[key]
+        assert err["error"] == "ModelLoadError", err
+        assert name in err["message"] and "HF_HUB_OFFLINE=1" in err["message"]
+    assert "'v2'" in result["bad_rev"]["message"]
+
+    # HF_HOME=<home> means the cache <home>/hub; no HF_HUB_OFFLINE and an endpoint that
+    # refuses connections: a complete cached snapshot needs no network at all.
+    home = tmp_path / "home"
+    snap2 = make_hub_cache(home / "hub", "tiny-org/tiny-llama", tiny)
+    result, _ = _run("""
+        print(json.dumps({"path": outcome(lambda: resolve_model_dir("tiny-org/tiny-llama"))}))
+    """, {"HF_HOME": str(home), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert result["path"] == {"ok": str(snap2)}
+
+
+def test_local_directory_wins_over_a_hub_id(tiny: Path, tmp_path: Path) -> None:
+    local = tmp_path / "org" / "name"
+    local.parent.mkdir()
+    local.symlink_to(tiny, target_is_directory=True)
+    result, _ = _run("""
+        import os
+        os.chdir(os.environ["WORKDIR"])
+        print(json.dumps({"path": outcome(lambda: resolve_model_dir("org/name"))}))
+    """, {"WORKDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "c")})
+    assert result["path"] == {"ok": "org/name"}
+
+
+def _sharded_repo(tiny: Path, tmp_path: Path, repo_id: str) -> tuple[HubRepo, Path]:
+    """``tiny`` as a two-shard checkpoint with an index, plus files nbengine must not fetch."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "sharded-src"
+    d.mkdir()
+    for f in tiny.iterdir():
+        if f.name != "model.safetensors":
+            (d / f.name).write_bytes(f.read_bytes())
+    weights = load_file(tiny / "model.safetensors")
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for shard, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, str(d / shard), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: s for s, ks in shards.items() for k in ks}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    extra = {
+        # A repo may ship the same weights in other forms; the index decides what is read.
+        "consolidated.safetensors": (tiny / "model.safetensors").read_bytes(),
+        "pytorch_model.bin": b"\0" * 4096,
+        "modeling_custom.py": b"raise SystemExit('never run')\n",
+        "README.md": b"# tiny\n",
+        "original/model.safetensors": b"\0" * 1024,
+    }
+    return repo_from_dir(repo_id, d, extra), d
+
+
+def test_download_fetches_only_the_files_the_engine_reads(tiny: Path, tmp_path: Path) -> None:
+    repo, src = _sharded_repo(tiny, tmp_path, "tiny-org/sharded")
+    gated = repo_from_dir("tiny-org/gated", tiny, gated=True)
+    cache = tmp_path / "cache"
+    with serve_hub(repo, gated) as server:
+        host, port = server.server_address[:2]
+        result, stderr = _run(f"""
+            print(json.dumps({{
+                "path": outcome(lambda: resolve_model_dir("tiny-org/sharded")),
+                "hub_ids": greedy("tiny-org/sharded"),
+                "dir_ids": greedy({str(tiny)!r}),
+                "missing": outcome(lambda: nb.Engine("tiny-org/no-such-model")),
+                "gated": outcome(lambda: nb.Engine("tiny-org/gated")),
+                "bad_rev": outcome(lambda: nb.Engine("tiny-org/sharded", revision="no-such-branch")),
+            }}))
+        """, {"HF_ENDPOINT": f"http://{host}:{port}", "HF_HUB_CACHE": str(cache)})
+        log = list(server.log)
+    snap = Path(result["path"]["ok"])
+    assert snap.parent.parent == cache / "models--tiny-org--sharded"
+    assert snap.name == repo.commit
+    assert (cache / "models--tiny-org--sharded" / "refs" / "main").read_text() == repo.commit
+    wanted = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+              "model-00002-of-00002.safetensors"}
+    assert {p.name for p in snap.iterdir()} == wanted
+    fetched = {path.split("/resolve/")[1].split("/", 1)[1]
+               for method, path in log if method == "GET" and "/resolve/" in path}
+    assert fetched == wanted  # never *.bin, code, README, subfolders or the unlisted copy
+    assert result["hub_ids"] == result["dir_ids"] and len(result["hub_ids"]) == 8
+    assert "Fetching" in stderr  # huggingface_hub's progress bars (tqdm.auto)
+
+    missing, gated_err, bad_rev = result["missing"], result["gated"], result["bad_rev"]
+    assert missing["error"] == "ModelLoadError"
+    assert "'tiny-org/no-such-model' is neither a local directory nor a model on the " \
+           "Hugging Face Hub" in missing["message"] and "HF_TOKEN" in missing["message"]
+    assert gated_err["error"] == "ModelLoadError"
+    assert "gated" in gated_err["message"] and "https://huggingface.co/tiny-org/gated" in gated_err["message"]
+    assert bad_rev["error"] == "ModelLoadError"
+    assert "has no revision 'no-such-branch'" in bad_rev["message"]
+
+    # The cache huggingface_hub wrote is the layout make_hub_cache writes: the same blob
+    # names (sha256 for safetensors, git sha1 otherwise) behind the same file names.
+    mine = make_hub_cache(tmp_path / "mine", "tiny-org/sharded", src)
+    for name in wanted:
+        assert os.readlink(snap / name) == os.readlink(mine / name), name
+
+    # The server is gone and HF_HUB_OFFLINE is not set: the cached snapshot is used as is.
+    result, _ = _run("""
+        print(json.dumps({"path": outcome(lambda: resolve_model_dir("tiny-org/sharded"))}))
+    """, {"HF_ENDPOINT": f"http://{host}:{port}", "HF_HUB_CACHE": str(cache)})
+    assert result["path"] == {"ok": str(snap)}
+
+
+def test_unreachable_hub_and_empty_cache_says_so(tmp_path: Path) -> None:
+    result, _ = _run("""
+        print(json.dumps({"e": outcome(lambda: resolve_model_dir("tiny-org/tiny"))}))
+    """, {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp_path / "c"),
+          "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"})
+    err = result["e"]
+    assert err["error"] == "ModelLoadError", err
+    assert "Cannot reach the Hugging Face Hub (http://127.0.0.1:9)" in err["message"]
+    assert str(tmp_path / "c") in err["message"]
