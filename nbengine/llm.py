@@ -98,6 +98,30 @@ class LLM:
                     pass
             raise
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """The assistant's reply to one conversation or to each of a list of them, as vLLM's
+        ``LLM.chat``: one output per conversation, in order, whose ``prompt`` is the
+        rendered conversation. The template options are ``Engine.chat``'s."""
+        from nbengine.frontend.chat import llm_chat
+
+        return llm_chat(
+            self, messages, sampling_params, use_tqdm, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs, tools=tools,
+        )
+
     def _collect(
         self, handles: list[RequestHandle], done_q: queue.Queue[int], use_tqdm: bool
     ) -> list[RequestOutput]:

@@ -538,6 +538,39 @@ class Engine:
         prep = self._inputs.prepare(prompt, sampling_params, request_id, priority)
         return self._submit(prep)
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Start the assistant's reply to ``messages``; return its handle at once.
+
+        ``messages`` is a list of ``{"role": ..., "content": ...}`` dicts, rendered by the
+        model's chat template (or ``chat_template``: Jinja source, or the name of one of
+        the model's templates) into prompt token ids equal to transformers'
+        ``apply_chat_template(..., tokenize=True)``; ``chat_template_kwargs`` reach the
+        template (e.g. ``{"enable_thinking": False}``), ``tools`` are JSON schemas. The
+        reply ends at the model's end-of-turn (eos) tokens. Everything else is
+        ``generate()`` with those ids (``handle.prompt`` holds the rendered text).
+        Raises ``NoChatTemplateError`` (a ValueError) for a model without a template.
+        See docs/models.md, "Chat".
+        """
+        from nbengine.frontend.chat import engine_chat
+
+        return engine_chat(
+            self, messages, params, request_id, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs, tools=tools,
+        )
+
     def _normalise_ids(self, request_ids: str | Iterable[str]) -> tuple[list[str], bool]:
         if isinstance(request_ids, str):
             return [request_ids], True

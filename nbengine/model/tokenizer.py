@@ -70,6 +70,7 @@ class Tokenizer:
         self.all_special_ids: frozenset[int] = frozenset(
             tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
+        self.path: Path | None = None  # the model directory, when loaded from one (chat templates)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -107,7 +108,9 @@ class Tokenizer:
                 model_cfg.get("bos_token_id")
             )
             bos_id = ids[0] if ids else None
-        return cls(backend, frozenset(eos), bos_id)
+        tokenizer = cls(backend, frozenset(eos), bos_id)
+        tokenizer.path = path
+        return tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's post-processor specials when asked)."""

@@ -1,0 +1,91 @@
+"""Engine.chat and LLM.chat on a tiny Qwen2 model that has a ChatML chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import nbengine as nb
+from nbengine.model.chat_template import NoChatTemplateError
+from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA, make_tiny_model
+
+from fe_util import ENGINE_KW
+
+transformers = pytest.importorskip("transformers")
+
+CONV = [{"role": "system", "content": "You tell short stories."},
+        {"role": "user", "content": "Once upon a time"}]
+
+
+@pytest.fixture(scope="module")
+def qwen_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("qwen") / "chat", "qwen2",
+                           chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA)
+
+
+@pytest.fixture(scope="module")
+def chat_engine(qwen_chat: Path) -> Iterator[nb.Engine]:
+    with nb.Engine(str(qwen_chat), **ENGINE_KW) as eng:
+        yield eng
+
+
+def test_chat_prompt_is_the_rendered_conversation(chat_engine: nb.Engine, qwen_chat: Path) -> None:
+    hf = transformers.AutoTokenizer.from_pretrained(qwen_chat)
+    want = list(hf.apply_chat_template(CONV, tokenize=True, add_generation_prompt=True,
+                                       return_dict=False))
+    h = chat_engine.chat(CONV, nb.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    out = h.result(timeout=60)
+    assert out.prompt_token_ids == want
+    assert h.prompt == hf.apply_chat_template(CONV, tokenize=False, add_generation_prompt=True)
+    assert h.prompt.endswith("<|im_start|>assistant\n")
+    assert len(out.outputs[0].token_ids) == 5
+    # The same ids through generate() give the same greedy reply.
+    again = chat_engine.generate(want, nb.SamplingParams(temperature=0, max_tokens=5,
+                                                         ignore_eos=True)).result(timeout=60)
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_chat_stops_at_the_end_of_turn_token(chat_engine: nb.Engine) -> None:
+    tok = chat_engine.tokenizer
+    im_end = tok.backend.token_to_id("<|im_end|>")
+    # <|im_end|> is not tokenizer_config's eos (<|endoftext|>): it comes from
+    # generation_config.json's eos list, as in Qwen's own repos.
+    assert tok.backend.token_to_id("<|endoftext|>") != im_end
+    params = nb.SamplingParams(temperature=0, max_tokens=50, min_tokens=3,
+                               logit_bias={im_end: 100.0})
+    out = chat_engine.chat(CONV, params).result(timeout=60)
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and len(c.token_ids) == 4 and c.token_ids[-1] == im_end
+    assert "<|im_end|>" not in c.text
+
+
+def test_chat_rejects_bad_input_before_registering(chat_engine: nb.Engine, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        chat_engine.chat([])
+    with pytest.raises(TypeError, match="SamplingParams"):
+        chat_engine.chat(CONV, params="greedy")  # type: ignore[arg-type]
+    assert chat_engine.num_unfinished_requests() == 0
+    plain = make_tiny_model(tmp_path / "plain", "llama", **TINY_LLAMA)
+    with nb.Engine(str(plain), **ENGINE_KW) as eng:
+        with pytest.raises(NoChatTemplateError, match="chat_template="):
+            eng.chat(CONV)
+        h = eng.chat(CONV, nb.SamplingParams(max_tokens=2),
+                     chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+        assert h.result(timeout=60).prompt_token_ids == eng.tokenizer.encode(
+            "You tell short stories.\nOnce upon a time\n", add_special_tokens=False)
+
+
+def test_llm_chat_one_or_many_conversations(qwen_chat: Path) -> None:
+    other = [{"role": "user", "content": "The dog ran"}]
+    greedy = nb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with nb.LLM(str(qwen_chat), **ENGINE_KW) as llm:
+        many = llm.chat([CONV, other], greedy, use_tqdm=False)
+        one = llm.chat(other, greedy, use_tqdm=False)
+        cont = llm.chat([*other, {"role": "assistant", "content": "and ran"}], greedy,
+                        use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert len(many) == 2 and len(one) == 1
+    assert many[1].prompt == one[0].prompt and many[1].outputs[0].token_ids == one[0].outputs[0].token_ids
+    assert "Once upon a time" in many[0].prompt and "The dog ran" in many[1].prompt
+    assert cont[0].prompt.endswith("<|im_start|>assistant\nand ran")
