@@ -69,22 +69,23 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache.
 
-    ``num_kv_blocks`` None sizes the pool from ``kv_cache_memory_gb``.
+    ``num_kv_blocks`` None sizes the pool from ``kv_cache_memory_gb``; with that None too,
+    the pool takes the memory that is free after the weights (model/memory_plan.py).
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float | None = 1.0
 
     def __post_init__(self) -> None:
         _check_types(self, ints=("block_size", "num_kv_blocks"), bools=("enable_prefix_caching",),
-                     numbers=("kv_cache_memory_gb",))
+                     numbers=("kv_cache_memory_gb",) if self.kv_cache_memory_gb is not None else ())
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(
                 f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}."
             )

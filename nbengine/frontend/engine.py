@@ -777,7 +777,12 @@ class Engine:
         state = "alive" if self.is_alive else "dead"
         model = self.config.model.model
         shown = "the default model" if model is None else str(model)
-        return f"Engine(model={shown!r}, dtype={self.dtype}, max_model_len={self._max_model_len}, {state})"
+        # The in-process runner's memory plan (model/memory_plan.py), while the engine lives.
+        runner = getattr(getattr(self._client, "core", None), "runner", None)
+        plan = getattr(runner, "memory_plan", None)
+        memory = f", memory: {plan.summary()}" if plan is not None and self.is_alive else ""
+        return (f"Engine(model={shown!r}, dtype={self.dtype}, max_model_len={self._max_model_len}, "
+                f"{state}{memory})")
 
     @property
     def dtype(self) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,8 +305,15 @@ def load_weights(model: nn.Module, weight_map: WeightMap, path: Path, dtype: tor
         assert not missing, f"parameters without a source: {sorted(missing)}"
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    """Load the model named by ``config`` (directory, dtype, max_model_len)."""
+def load_model(
+    config: ModelConfig, before_weights: Callable[..., None] | None = None
+) -> LoadedModel:
+    """Load the model named by ``config`` (directory, dtype, max_model_len).
+
+    ``before_weights(weight_files, hf_config, architecture, dtype, max_model_len)`` runs
+    once the shape is known and before any weight is allocated (the memory plan's hook,
+    model/memory_plan.py); it may raise to stop the load.
+    """
     path = resolve_model_dir(config.model, config.revision)
     cfg = read_hf_config(path)
     arch = architecture_of(cfg, path)
@@ -313,6 +321,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     tokenizer = Tokenizer.from_dir(path)  # validates tokenizer.json early
     dtype = resolve_dtype(config.dtype, cfg)
     max_len = _max_model_len(cfg, arch, config.max_model_len)
+    if before_weights is not None:
+        before_weights(_weight_files(path), cfg, arch, dtype, max_len)
     model = build_model(cfg, arch, max_len, path)
     model.tie_weights()
     model.to(dtype)

@@ -13,7 +13,8 @@ SchedulerOutput invariants cheaply.
 from __future__ import annotations
 
 import logging
-import math
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from nbengine.core.scheduler_output import (
     SchedulerOutput,
 )
 from nbengine.model.loader import LoadedModel, load_model
+from nbengine.model.memory_plan import MemoryPlan, plan_memory
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.ops.linear import pack_linears
 from nbengine.ops.attention import ChunkSpec, build_attention_metadata
@@ -46,7 +48,15 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded: LoadedModel = load_model(config.model)
+        plans: list[MemoryPlan] = []
+
+        def plan(files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype,
+                 max_len: int) -> None:
+            plans.append(plan_memory(config, files, cfg, arch, dtype, max_len))
+
+        # Weights + KV cache are checked against free memory before any weight is loaded.
+        loaded: LoadedModel = load_model(config.model, before_weights=plan)
+        self.memory_plan: MemoryPlan = plans[0]
         self.loaded = loaded
         self.model = loaded.model
         if self.model is not None and loaded.dtype == torch.bfloat16:
@@ -65,13 +75,9 @@ class ModelRunner:
         m = self.model
         per_block = kv_block_bytes(m.num_layers, self.block_size, m.num_kv_heads, m.head_dim,
                                    self.dtype)
-        if config.cache.num_kv_blocks is not None:
-            n_blocks = config.cache.num_kv_blocks
-        else:
-            n_blocks = max(1, int(config.cache.kv_cache_memory_gb * (1 << 30)) // per_block)
-            # More than every sequence at full length could ever hold is wasted memory.
-            per_seq = math.ceil(self.max_model_len / self.block_size)
-            n_blocks = min(n_blocks, config.scheduler.max_num_seqs * per_seq)
+        # The plan sized the pool from config.json; the built model must agree with it.
+        assert per_block == self.memory_plan.kv_block_bytes, "memory plan disagrees with the model"
+        n_blocks = self.memory_plan.num_kv_blocks
         self.num_kv_blocks: int = n_blocks
         shape = (n_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [

@@ -1,0 +1,249 @@
+"""Memory planning: weights + KV cache, estimated before any weight is loaded.
+
+``plan_memory`` runs when the loader knows the model's shape and dtype but has not built
+the model yet (the ``before_weights`` hook of ``load_model``). It estimates
+
+- the **weights**: every tensor in the safetensors headers (shapes only; nothing is
+  read) at the dtype the engine will use, not the checkpoint's; plus the separate packed
+  ``lm_head`` that bfloat16 models with tied embeddings get (ops/linear.py);
+- the **KV cache**: ``num_kv_blocks`` blocks of ``2 * layers * block_size * kv_heads *
+  head_dim * bytes_per_element``, the count set by ``num_kv_blocks``, else by
+  ``kv_cache_memory_gb``, else (``kv_cache_memory_gb=None``) by what is free after the
+  weights, keeping ``_HEADROOM`` of the free memory for activations and Python; never
+  more blocks than ``max_num_seqs`` full-length sequences can use;
+
+and raises ``InsufficientMemoryError`` (a ``ModelLoadError``) with the numbers when
+weights + KV cache exceed the memory that is free now (``MemAvailable``, capped by a
+cgroup limit in a container). The plan is kept by the runner and shown in the engine's
+repr (docs/models.md, "Memory").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nbengine.model.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from nbengine.config import EngineConfig
+
+__all__ = ["InsufficientMemoryError", "MemoryPlan", "available_memory", "format_bytes", "plan_memory"]
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+# With kv_cache_memory_gb=None the KV cache takes what is free after the weights, less
+# this share of the free memory (activations, logits, the tokenizer, Python itself).
+_HEADROOM = 0.10
+_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4,
+                            "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+class InsufficientMemoryError(ModelLoadError):
+    """Weights + KV cache do not fit in the free memory; the message has the numbers."""
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as a short human string (binary units: KiB, MiB, GiB)."""
+    for unit, size in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate, or None where that cannot be told.
+
+    Linux: ``MemAvailable`` of /proc/meminfo, capped by the cgroup's limit minus its usage
+    (containers); elsewhere psutil's ``available`` when psutil is installed.
+    """
+    avail: int | None = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        try:
+            import psutil  # optional
+
+            avail = int(psutil.virtual_memory().available)
+        except Exception:
+            return None
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # cgroup v1
+    ):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            room = max(0, limit - usage)
+            avail = room if avail is None else min(avail, room)
+            break
+    return avail
+
+
+def _safetensors_numels(files: list[Path]) -> dict[str, int]:
+    """Tensor name -> element count, from the files' JSON headers (no tensor is read)."""
+    numels: dict[str, int] = {}
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(length))
+        except (OSError, ValueError, struct.error) as exc:
+            raise ModelLoadError(f"Cannot read the safetensors header of {f}: {exc}") from exc
+        for name, info in header.items():
+            if name != "__metadata__" and isinstance(info, dict):
+                numels[name] = math.prod(int(d) for d in info.get("shape", ()))
+    return numels
+
+
+def weights_bytes(files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype) -> int:
+    """Bytes the model's parameters will take at ``dtype``."""
+    numels = _safetensors_numels(files)
+    tied = bool(cfg.get("tie_word_embeddings", arch == "GPT2LMHeadModel"))
+    total = 0
+    embed = 0
+    for name, n in numels.items():
+        if arch == "GPT2LMHeadModel" and name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # GPT-2's stored causal masks are buffers nbengine does not load
+        if tied and name == "lm_head.weight":
+            continue  # the tied head shares the embedding
+        if name.endswith(("embed_tokens.weight", "wte.weight")):
+            embed = n
+        total += n
+    if tied and dtype == torch.bfloat16:
+        total += embed  # bfloat16 packing gives a tied lm_head its own copy (ops/linear.py)
+    return total * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """What the engine will hold in memory, decided before the weights are loaded."""
+
+    weights_bytes: int
+    kv_block_bytes: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    dtype: str
+    available_bytes: int | None  # free when planned; None if it could not be told
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache (K and V, every layer)."""
+        return self.num_kv_blocks * self.kv_block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights plus KV cache."""
+        return self.weights_bytes + self.kv_cache_bytes
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV cache holds, over all sequences."""
+        return self.num_kv_blocks * self.block_size
+
+    def summary(self) -> str:
+        """One line: weights + KV cache (tokens) of the memory that was free."""
+        free = ("" if self.available_bytes is None
+                else f" of {format_bytes(self.available_bytes)} free")
+        return (f"weights {format_bytes(self.weights_bytes)} ({self.dtype}) + KV cache "
+                f"{format_bytes(self.kv_cache_bytes)} ({self.kv_tokens} tokens) = "
+                f"{format_bytes(self.total_bytes)}{free}")
+
+
+def _kv_dims(cfg: dict[str, Any], arch: str, max_len: int) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of the model's KV cache."""
+    if arch == "GPT2LMHeadModel":
+        from nbengine.model.gpt2 import GPT2Args
+
+        g = GPT2Args.from_hf(cfg)
+        return g.num_layers, g.num_heads, g.hidden_size // g.num_heads
+    from nbengine.model.llama import DecoderArgs
+
+    d = DecoderArgs.from_hf(cfg, arch, max_len)
+    return d.num_layers, d.num_kv_heads, d.head_dim
+
+
+def _advice(dtype: torch.dtype) -> str:
+    tips = ["a smaller max_model_len", "num_kv_blocks= or a smaller kv_cache_memory_gb"]
+    if dtype == torch.float32:
+        tips.append('dtype="bfloat16" (half the memory)')
+    return "Try " + ", ".join(tips) + ", or free memory (other engines: engine.shutdown())."
+
+
+def plan_memory(
+    config: EngineConfig,
+    weight_files: list[Path],
+    cfg: dict[str, Any],
+    arch: str,
+    dtype: torch.dtype,
+    max_model_len: int,
+    available: int | None = None,
+) -> MemoryPlan:
+    """Size the KV cache and check that weights + KV cache fit in free memory.
+
+    ``available`` None measures the free memory now (``available_memory()``).
+    Raises ``InsufficientMemoryError`` with the numbers when they cannot fit.
+    """
+    if available is None:
+        available = available_memory()
+    cache, sched = config.cache, config.scheduler
+    dtype_name = str(dtype).removeprefix("torch.")
+    weights = weights_bytes(weight_files, cfg, arch, dtype)
+    layers, kv_heads, head_dim = _kv_dims(cfg, arch, max_model_len)
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_block = 2 * layers * cache.block_size * kv_heads * head_dim * elem
+    per_seq = math.ceil(max_model_len / cache.block_size)
+    useful = sched.max_num_seqs * per_seq  # more blocks than this can never be used
+
+    if cache.num_kv_blocks is not None:
+        blocks = cache.num_kv_blocks
+    elif cache.kv_cache_memory_gb is not None:
+        blocks = min(max(1, int(cache.kv_cache_memory_gb * _GIB) // per_block), useful)
+    elif available is None:
+        logger.warning("Free memory cannot be measured here; the KV cache takes 1 GiB.")
+        blocks = min(max(1, _GIB // per_block), useful)
+    else:
+        budget = int(available * (1 - _HEADROOM)) - weights
+        blocks = min(max(0, budget) // per_block, useful)
+        if blocks < per_seq:
+            raise InsufficientMemoryError(
+                f"Not enough free memory for the KV cache of one {max_model_len}-token "
+                f"sequence: it needs {format_bytes(per_seq * per_block)} "
+                f"({format_bytes(per_block / cache.block_size)} per token, {dtype_name}), and "
+                f"{format_bytes(available)} is free, of which the weights take "
+                f"{format_bytes(weights)} and {_HEADROOM:.0%} is kept for activations. "
+                + _advice(dtype)
+            )
+    plan = MemoryPlan(weights, per_block, blocks, cache.block_size, max_model_len, dtype_name,
+                      available)
+    if available is not None and plan.total_bytes > available:
+        raise InsufficientMemoryError(
+            f"The model does not fit in free memory: weights {format_bytes(weights)} "
+            f"({dtype_name}) + KV cache {format_bytes(plan.kv_cache_bytes)} ({blocks} blocks "
+            f"of {cache.block_size} tokens) = {format_bytes(plan.total_bytes)}, but only "
+            f"{format_bytes(available)} is free. " + _advice(dtype)
+        )
+    logger.info("Memory plan: %s.", plan.summary())
+    return plan
+

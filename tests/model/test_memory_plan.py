@@ -1,0 +1,123 @@
+"""Memory planning: the estimate before loading equals what is allocated, a model that
+cannot fit fails before its weights are read, with the numbers, and
+``kv_cache_memory_gb=None`` sizes the KV cache from free memory."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbengine as nb
+from nbengine.config import CacheConfig, EngineConfig, ModelConfig
+from nbengine.model import load_model
+from nbengine.model.loader import _weight_files
+from nbengine.model.memory_plan import (
+    InsufficientMemoryError,
+    MemoryPlan,
+    available_memory,
+    format_bytes,
+    plan_memory,
+)
+from nbengine.testing import TINY_LLAMA, make_tiny_model
+
+KW = dict(max_num_seqs=4, block_size=16)
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch,dtype,extra", [
+    ("llama", "float32", {}),
+    ("llama", "float32", {"tie_word_embeddings": True}),
+    ("qwen3", "bfloat16", {}),
+    ("gpt2", "float32", {}),
+])
+def test_weight_estimate_equals_the_loaded_parameters(tmp_path: Path, arch: str, dtype: str,
+                                                      extra: dict[str, object]) -> None:
+    path = make_tiny_model(tmp_path / arch, arch, **extra)
+    plans: list[MemoryPlan] = []
+    config = EngineConfig.from_kwargs(path, dtype=dtype, **KW)
+    loaded = load_model(ModelConfig(model=path, dtype=dtype),
+                        before_weights=lambda *a: plans.append(plan_memory(config, *a)))
+    assert plans[0].weights_bytes == _param_bytes(loaded.model)
+
+
+def test_engine_allocates_the_planned_kv_cache_and_shows_the_plan(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path / "m", "llama", **TINY_LLAMA)
+    with nb.Engine(str(path), kv_cache_memory_gb=None, **KW) as engine:
+        runner = engine._core.runner
+        plan = runner.memory_plan
+        allocated = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                        for k, v in runner.kv_caches)
+        assert plan.kv_cache_bytes == allocated
+        # Free memory is plentiful here, so the pool is what 4 full-length sequences use.
+        assert plan.num_kv_blocks == 4 * (256 // 16) == runner.num_kv_blocks
+        text = repr(engine)
+    assert f"weights {format_bytes(plan.weights_bytes)} (float32)" in text
+    assert f"KV cache {format_bytes(allocated)} ({plan.kv_tokens} tokens)" in text
+    assert " free)" in text
+
+
+def test_kv_cache_memory_gb_none_takes_what_is_free(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path / "m", "llama", **TINY_LLAMA)
+    files = _weight_files(path)
+    cfg = json.loads((path / "config.json").read_text())
+
+    def plan(available: int, **kw: object) -> MemoryPlan:
+        config = EngineConfig.from_kwargs(path, **{**KW, "kv_cache_memory_gb": None, **kw})
+        return plan_memory(config, files, cfg, "LlamaForCausalLM", torch.float32, 256, available)
+
+    big = plan(1 << 40)
+    per_block = big.kv_block_bytes  # 2 (K, V) * 2 layers * 16 tokens * 2 heads * 8 dims * 4 B
+    assert per_block == 2 * 2 * 16 * 2 * 8 * 4
+    assert big.num_kv_blocks == 4 * 16  # capped at what 4 sequences of 256 tokens can use
+    # 40 blocks' worth free after the weights and the 10% headroom -> 40 blocks.
+    avail = int((big.weights_bytes + 40 * per_block + per_block // 2) / 0.9) + 1
+    assert plan(avail).num_kv_blocks == 40
+    with pytest.raises(InsufficientMemoryError, match="one 256-token sequence"):
+        plan(int((big.weights_bytes + 10 * per_block) / 0.9))  # 10 blocks < 16 per sequence
+    # An explicit size is honoured, and checked: here it cannot fit.
+    assert plan(1 << 40, kv_cache_memory_gb=1.0).num_kv_blocks == 64
+    with pytest.raises(InsufficientMemoryError, match="does not fit in free memory"):
+        plan(big.weights_bytes + 10 * per_block, num_kv_blocks=11)
+
+
+def test_a_context_too_long_for_free_memory_fails_with_numbers(tmp_path: Path) -> None:
+    # 2**30 positions: one full-length sequence needs 2**30 tokens * 256 B = 256 GiB of KV
+    # (K and V * 2 layers * 2 KV heads * 8 dims * 4 bytes = 256 B per token).
+    path = make_tiny_model(tmp_path / "long", "llama", **{**TINY_LLAMA,
+                                                          "max_position_embeddings": 1 << 30})
+    with pytest.raises(InsufficientMemoryError) as info:
+        nb.Engine(str(path), kv_cache_memory_gb=None, **KW)
+    msg = str(info.value)
+    assert "1073741824-token sequence" in msg and "256.0 GiB" in msg and "256 B per token" in msg
+    assert "max_model_len" in msg
+    # An explicit pool that large is refused as well, with both parts of the sum.
+    with pytest.raises(InsufficientMemoryError, match=r"KV cache 3814\.7 GiB \(1000000000 blocks"):
+        nb.Engine(str(path), num_kv_blocks=10**9, **KW)
+
+
+def test_weights_too_big_fail_before_they_are_read(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path / "huge", "llama", **TINY_LLAMA)
+    # A header that declares a 1 TiB embedding and no data behind it: reading it would
+    # fail, so the error below proves nothing was read.
+    header = {"model.embed_tokens.weight": {"dtype": "F32", "shape": [1 << 22, 1 << 16],
+                                            "data_offsets": [0, 1 << 40]}}
+    raw = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(InsufficientMemoryError, match=r"weights 1024\.0 GiB \(float32\)") as info:
+        nb.Engine(str(path), **KW)
+    assert 'dtype="bfloat16"' in str(info.value)
+
+
+def test_config_accepts_none_and_the_machine_reports_free_memory() -> None:
+    assert CacheConfig(kv_cache_memory_gb=None).kv_cache_memory_gb is None
+    with pytest.raises(ValueError, match="positive"):
+        CacheConfig(kv_cache_memory_gb=0)
+    free = available_memory()
+    assert free is None or free > 0
