@@ -43,8 +43,7 @@ _GIB = 1 << 30
 # With kv_cache_memory_gb=None the KV cache takes what is free after the weights, less
 # this share of the free memory (activations, logits, the tokenizer, Python itself).
 _HEADROOM = 0.10
-_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4,
-                            "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 
 
 class InsufficientMemoryError(ModelLoadError):
@@ -105,11 +104,19 @@ def _safetensors_numels(files: list[Path]) -> dict[str, int]:
     numels: dict[str, int] = {}
     for f in files:
         try:
+            size = f.stat().st_size
             with f.open("rb") as fh:
                 (length,) = struct.unpack("<Q", fh.read(8))
+                # A garbage file would announce any length: check it before reading.
+                if length > min(size - 8, _MAX_HEADER_BYTES):
+                    raise ValueError(f"header length {length} in a file of {size} bytes")
                 header = json.loads(fh.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
         except (OSError, ValueError, struct.error) as exc:
-            raise ModelLoadError(f"Cannot read the safetensors header of {f}: {exc}") from exc
+            raise ModelLoadError(
+                f"Cannot open weight file {f}: invalid safetensors header ({exc})."
+            ) from exc
         for name, info in header.items():
             if name != "__metadata__" and isinstance(info, dict):
                 numels[name] = math.prod(int(d) for d in info.get("shape", ()))
