@@ -6,6 +6,8 @@ the model yet (the ``before_weights`` hook of ``load_model``). It estimates
 - the **weights**: every tensor in the safetensors headers (shapes only; nothing is
   read) at the dtype the engine will use, not the checkpoint's; plus the separate packed
   ``lm_head`` that bfloat16 models with tied embeddings get (ops/linear.py);
+- the **RoPE tables** of the Llama family: cos and sin, float32, ``max_model_len x
+  head_dim / 2`` each (ops/rotary.py), which matter for very long contexts;
 - the **KV cache**: ``num_kv_blocks`` blocks of ``2 * layers * block_size * kv_heads *
   head_dim * bytes_per_element``, the count set by ``num_kv_blocks``, else by
   ``kv_cache_memory_gb``, else (``kv_cache_memory_gb=None``) by what is free after the
@@ -147,6 +149,7 @@ class MemoryPlan:
     """What the engine will hold in memory, decided before the weights are loaded."""
 
     weights_bytes: int
+    buffers_bytes: int  # the RoPE cos/sin tables
     kv_block_bytes: int
     num_kv_blocks: int
     block_size: int
@@ -161,8 +164,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Weights plus KV cache."""
-        return self.weights_bytes + self.kv_cache_bytes
+        """Weights, RoPE tables and KV cache."""
+        return self.weights_bytes + self.buffers_bytes + self.kv_cache_bytes
 
     @property
     def kv_tokens(self) -> int:
@@ -173,22 +176,25 @@ class MemoryPlan:
         """One line: weights + KV cache (tokens) of the memory that was free."""
         free = ("" if self.available_bytes is None
                 else f" of {format_bytes(self.available_bytes)} free")
-        return (f"weights {format_bytes(self.weights_bytes)} ({self.dtype}) + KV cache "
+        rope = ("" if self.buffers_bytes < (1 << 20)
+                else f" + RoPE tables {format_bytes(self.buffers_bytes)}")
+        return (f"weights {format_bytes(self.weights_bytes)} ({self.dtype}){rope} + KV cache "
                 f"{format_bytes(self.kv_cache_bytes)} ({self.kv_tokens} tokens) = "
                 f"{format_bytes(self.total_bytes)}{free}")
 
 
-def _kv_dims(cfg: dict[str, Any], arch: str, max_len: int) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of the model's KV cache."""
+def _kv_dims(cfg: dict[str, Any], arch: str, max_len: int) -> tuple[int, int, int, int]:
+    """(layers, kv heads, head dim, RoPE table bytes) of the model."""
     if arch == "GPT2LMHeadModel":
         from nbengine.model.gpt2 import GPT2Args
 
         g = GPT2Args.from_hf(cfg)
-        return g.num_layers, g.num_heads, g.hidden_size // g.num_heads
+        return g.num_layers, g.num_heads, g.hidden_size // g.num_heads, 0
     from nbengine.model.llama import DecoderArgs
 
     d = DecoderArgs.from_hf(cfg, arch, max_len)
-    return d.num_layers, d.num_kv_heads, d.head_dim
+    rope = 2 * max_len * (d.head_dim // 2) * 4  # cos and sin, float32
+    return d.num_layers, d.num_kv_heads, d.head_dim, rope
 
 
 def _advice(dtype: torch.dtype) -> str:
@@ -217,7 +223,8 @@ def plan_memory(
     cache, sched = config.cache, config.scheduler
     dtype_name = str(dtype).removeprefix("torch.")
     weights = weights_bytes(weight_files, cfg, arch, dtype)
-    layers, kv_heads, head_dim = _kv_dims(cfg, arch, max_model_len)
+    layers, kv_heads, head_dim, rope = _kv_dims(cfg, arch, max_model_len)
+    fixed = weights + rope
     elem = torch.empty((), dtype=dtype).element_size()
     per_block = 2 * layers * cache.block_size * kv_heads * head_dim * elem
     per_seq = math.ceil(max_model_len / cache.block_size)
@@ -231,23 +238,26 @@ def plan_memory(
         logger.warning("Free memory cannot be measured here; the KV cache takes 1 GiB.")
         blocks = min(max(1, _GIB // per_block), useful)
     else:
-        budget = int(available * (1 - _HEADROOM)) - weights
+        budget = int(available * (1 - _HEADROOM)) - fixed
         blocks = min(max(0, budget) // per_block, useful)
         if blocks < per_seq:
             raise InsufficientMemoryError(
                 f"Not enough free memory for the KV cache of one {max_model_len}-token "
                 f"sequence: it needs {format_bytes(per_seq * per_block)} "
                 f"({format_bytes(per_block / cache.block_size)} per token, {dtype_name}), and "
-                f"{format_bytes(available)} is free, of which the weights take "
-                f"{format_bytes(weights)} and {_HEADROOM:.0%} is kept for activations. "
+                f"{format_bytes(available)} is free, of which the weights"
+                + (f" and RoPE tables take {format_bytes(fixed)}" if rope else
+                   f" take {format_bytes(fixed)}")
+                + f" and {_HEADROOM:.0%} is kept for activations. "
                 + _advice(dtype)
             )
-    plan = MemoryPlan(weights, per_block, blocks, cache.block_size, max_model_len, dtype_name,
+    plan = MemoryPlan(weights, rope, per_block, blocks, cache.block_size, max_model_len, dtype_name,
                       available)
     if available is not None and plan.total_bytes > available:
         raise InsufficientMemoryError(
             f"The model does not fit in free memory: weights {format_bytes(weights)} "
-            f"({dtype_name}) + KV cache {format_bytes(plan.kv_cache_bytes)} ({blocks} blocks "
+            f"({dtype_name})" + (f" + RoPE tables {format_bytes(rope)}" if rope else "")
+            + f" + KV cache {format_bytes(plan.kv_cache_bytes)} ({blocks} blocks "
             f"of {cache.block_size} tokens) = {format_bytes(plan.total_bytes)}, but only "
             f"{format_bytes(available)} is free. " + _advice(dtype)
         )

@@ -73,18 +73,20 @@ def test_kv_cache_memory_gb_none_takes_what_is_free(tmp_path: Path) -> None:
         return plan_memory(config, files, cfg, "LlamaForCausalLM", torch.float32, 256, available)
 
     big = plan(1 << 40)
+    fixed = big.weights_bytes + big.buffers_bytes  # weights + RoPE tables
+    assert big.buffers_bytes == 2 * 256 * 4 * 4  # cos and sin: 256 positions x 4 x float32
     per_block = big.kv_block_bytes  # 2 (K, V) * 2 layers * 16 tokens * 2 heads * 8 dims * 4 B
     assert per_block == 2 * 2 * 16 * 2 * 8 * 4
     assert big.num_kv_blocks == 4 * 16  # capped at what 4 sequences of 256 tokens can use
     # 40 blocks' worth free after the weights and the 10% headroom -> 40 blocks.
-    avail = int((big.weights_bytes + 40 * per_block + per_block // 2) / 0.9) + 1
+    avail = int((fixed + 40 * per_block + per_block // 2) / 0.9) + 1
     assert plan(avail).num_kv_blocks == 40
     with pytest.raises(InsufficientMemoryError, match="one 256-token sequence"):
-        plan(int((big.weights_bytes + 10 * per_block) / 0.9))  # 10 blocks < 16 per sequence
+        plan(int((fixed + 10 * per_block) / 0.9))  # 10 blocks < 16 per sequence
     # An explicit size is honoured, and checked: here it cannot fit.
     assert plan(1 << 40, kv_cache_memory_gb=1.0).num_kv_blocks == 64
     with pytest.raises(InsufficientMemoryError, match="does not fit in free memory"):
-        plan(big.weights_bytes + 10 * per_block, num_kv_blocks=11)
+        plan(fixed + 10 * per_block, num_kv_blocks=11)
 
 
 def test_a_context_too_long_for_free_memory_fails_with_numbers(tmp_path: Path) -> None:
@@ -96,6 +98,7 @@ def test_a_context_too_long_for_free_memory_fails_with_numbers(tmp_path: Path) -
         nb.Engine(str(path), kv_cache_memory_gb=None, **KW)
     msg = str(info.value)
     assert "1073741824-token sequence" in msg and "256.0 GiB" in msg and "256 B per token" in msg
+    assert "RoPE tables take 32.0 GiB" in msg  # cos + sin: 2**30 positions x 4 x 4 B each
     assert "max_model_len" in msg
     # An explicit pool that large is refused as well, with both parts of the sum.
     with pytest.raises(InsufficientMemoryError, match=r"KV cache 3814\.7 GiB \(1000000000 blocks"):
