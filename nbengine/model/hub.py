@@ -86,10 +86,10 @@ def _is_complete(snapshot: Path) -> bool:
     return all((snapshot / name).is_file() for name in patterns)
 
 
-def _hint_offline() -> str:
+def _hint_offline(repo_id: str) -> str:
     return (
         "HF_HUB_OFFLINE=1 is set, so nothing is downloaded: unset it (with network access) "
-        "or download the model first, e.g. `hf download <repo>`."
+        f"or download the model first, e.g. `hf download {repo_id}`."
     )
 
 
@@ -124,7 +124,7 @@ def _as_model_load_error(exc: Exception, repo_id: str, revision: str | None) -> 
         msg = f"The Hugging Face Hub model {repo_id!r} has no revision {revision!r}."
     elif isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
         if constants.HF_HUB_OFFLINE:
-            msg = f"The model {what} is not in the Hub cache ({cache}). " + _hint_offline()
+            msg = f"The model {what} is not in the Hub cache ({cache}). " + _hint_offline(repo_id)
         else:
             msg = (
                 f"Cannot reach the Hugging Face Hub ({constants.ENDPOINT}) to download {what}, "
@@ -173,7 +173,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
     if constants.HF_HUB_OFFLINE:
         where = f"is incomplete in the Hub cache ({cached})" if cached else (
             f"is not in the Hub cache ({constants.HF_HUB_CACHE})")
-        raise ModelLoadError(f"The model {_describe(repo_id, revision)} {where}. " + _hint_offline())
+        raise ModelLoadError(f"The model {_describe(repo_id, revision)} {where}. " + _hint_offline(repo_id))
     try:
         # The small files first: the shard index says which weight files to fetch.
         snapshot = _snapshot(repo_id, revision, list(ENGINE_FILES), local_files_only=False)
