@@ -67,6 +67,7 @@ def test_repo_ids_and_paths_are_told_apart() -> None:
         assert not is_hub_repo_id(path)
 
 
+@pytest.mark.slow  # fresh Python processes
 def test_hub_cache_resolves_offline_via_hf_hub_cache_and_hf_home(tiny: Path, tmp_path: Path) -> None:
     snap = make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny)
     make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny, revision="v1")
@@ -99,6 +100,7 @@ def test_hub_cache_resolves_offline_via_hf_hub_cache_and_hf_home(tiny: Path, tmp
     assert result["path"] == {"ok": str(snap2)}
 
 
+@pytest.mark.slow  # fresh Python processes
 def test_local_directory_wins_over_a_hub_id(tiny: Path, tmp_path: Path) -> None:
     local = tmp_path / "org" / "name"
     local.parent.mkdir()
@@ -139,6 +141,7 @@ def _sharded_repo(tiny: Path, tmp_path: Path, repo_id: str) -> tuple[HubRepo, Pa
     return repo_from_dir(repo_id, d, extra), d
 
 
+@pytest.mark.slow  # fresh Python processes
 def test_download_fetches_only_the_files_the_engine_reads(tiny: Path, tmp_path: Path) -> None:
     repo, src = _sharded_repo(tiny, tmp_path, "tiny-org/sharded")
     gated = repo_from_dir("tiny-org/gated", tiny, gated=True)
@@ -192,6 +195,7 @@ def test_download_fetches_only_the_files_the_engine_reads(tiny: Path, tmp_path: 
     assert result["path"] == {"ok": str(snap)}
 
 
+@pytest.mark.slow  # fresh Python processes
 def test_unreachable_hub_and_empty_cache_says_so(tmp_path: Path) -> None:
     result, _ = _run("""
         print(json.dumps({"e": outcome(lambda: resolve_model_dir("tiny-org/tiny"))}))
