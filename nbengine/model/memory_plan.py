@@ -53,8 +53,8 @@ class InsufficientMemoryError(ModelLoadError):
 
 
 def format_bytes(n: float) -> str:
-    """``n`` bytes as a short human string (binary units: KiB, MiB, GiB)."""
-    for unit, size in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    """``n`` bytes as a short human string (binary units: KiB, MiB, GiB, TiB)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"

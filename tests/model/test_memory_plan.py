@@ -90,18 +90,19 @@ def test_kv_cache_memory_gb_none_takes_what_is_free(tmp_path: Path) -> None:
 
 
 def test_a_context_too_long_for_free_memory_fails_with_numbers(tmp_path: Path) -> None:
-    # 2**30 positions: one full-length sequence needs 2**30 tokens * 256 B = 256 GiB of KV
-    # (K and V * 2 layers * 2 KV heads * 8 dims * 4 bytes = 256 B per token).
+    # 2**36 positions: one full-length sequence needs 2**36 tokens * 256 B = 16 TiB of KV
+    # (K and V * 2 layers * 2 KV heads * 8 dims * 4 bytes = 256 B per token), more than
+    # any machine this runs on.
     path = make_tiny_model(tmp_path / "long", "llama", **{**TINY_LLAMA,
-                                                          "max_position_embeddings": 1 << 30})
+                                                          "max_position_embeddings": 1 << 36})
     with pytest.raises(InsufficientMemoryError) as info:
         nb.Engine(str(path), kv_cache_memory_gb=None, **KW)
     msg = str(info.value)
-    assert "1073741824-token sequence" in msg and "256.0 GiB" in msg and "256 B per token" in msg
-    assert "RoPE tables take 32.0 GiB" in msg  # cos + sin: 2**30 positions x 4 x 4 B each
+    assert "68719476736-token sequence" in msg and "16.0 TiB" in msg and "256 B per token" in msg
+    assert "RoPE tables take 2.0 TiB" in msg  # cos + sin: 2**36 positions x 4 x 4 B each
     assert "max_model_len" in msg
     # An explicit pool that large is refused as well, with both parts of the sum.
-    with pytest.raises(InsufficientMemoryError, match=r"KV cache 3814\.7 GiB \(1000000000 blocks"):
+    with pytest.raises(InsufficientMemoryError, match=r"KV cache 3\.7 TiB \(1000000000 blocks"):
         nb.Engine(str(path), num_kv_blocks=10**9, **KW)
 
 
@@ -113,7 +114,7 @@ def test_weights_too_big_fail_before_they_are_read(tmp_path: Path) -> None:
                                             "data_offsets": [0, 1 << 40]}}
     raw = json.dumps(header).encode()
     (path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
-    with pytest.raises(InsufficientMemoryError, match=r"weights 1024\.0 GiB \(float32\)") as info:
+    with pytest.raises(InsufficientMemoryError, match=r"weights 1\.0 TiB \(float32\)") as info:
         nb.Engine(str(path), **KW)
     assert 'dtype="bfloat16"' in str(info.value)
 
