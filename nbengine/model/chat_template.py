@@ -274,6 +274,14 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"The chat template rejected the conversation: {exc}") from exc
+        except (TypeError, ValueError, AttributeError) as exc:  # e.g. str + list in the template
+            hint = ""
+            if any(not isinstance(m.get("content", ""), str) for m in chat):
+                hint = (" This template may expect every message's content as a string; "
+                        "content given as a list of parts is passed to it unchanged.")
+            raise ChatTemplateError(
+                f"Rendering the chat template failed: {type(exc).__name__}: {exc}.{hint}"
+            ) from exc
         if continue_final_message:
             tag = _CONTINUE_TAG.strip()
             if final.strip() not in text or tag not in text:

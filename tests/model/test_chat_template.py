@@ -166,6 +166,10 @@ def test_template_errors_are_clear(base: Path, tmp_path: Path) -> None:
         gemma.render([])
     with pytest.raises(TypeError, match="list of dicts"):
         gemma.render("hello")  # type: ignore[arg-type]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    smol = ChatTemplate.from_dir(_tokenizer_dir(base, tmp_path, "smollm2"))
+    with pytest.raises(ChatTemplateError, match="content as a string"):
+        smol.render(parts)  # SmolLM2's template concatenates content with strings
 
     plain = make_tiny_model(tmp_path / "plain", "llama")  # no chat template
     with pytest.raises(NoChatTemplateError, match="chat_template=") as info:
