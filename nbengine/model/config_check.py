@@ -94,11 +94,16 @@ def check_inside(path: Path, name: object, listed_in: Path) -> Path:
             "directory; only files inside it are read."
         )
     full = path / candidate
-    try:
-        full.resolve().relative_to(path.resolve())
-    except ValueError:
+    root = path.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        # A Hugging Face Hub cache snapshot (model/hub.py): its files are links into the
+        # repo's own blobs/ folder, snapshots/<commit>/<file> -> ../../blobs/<hash>.
+        roots.append(root.parent.parent / "blobs")
+    target = full.resolve()
+    if not any(target.is_relative_to(r) for r in roots):
         raise ModelLoadError(
             f"{listed_in} lists the weight file {name!r}, which leads outside the model "
             "directory; only files inside it are read."
-        ) from None
+        )
     return full

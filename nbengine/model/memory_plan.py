@@ -6,8 +6,9 @@ the model yet (the ``before_weights`` hook of ``load_model``). It estimates
 - the **weights**: every tensor in the safetensors headers (shapes only; nothing is
   read) at the dtype the engine will use, not the checkpoint's; plus the separate packed
   ``lm_head`` that bfloat16 models with tied embeddings get (ops/linear.py);
-- the **RoPE tables** of the Llama family: cos and sin, float32, ``max_model_len x
-  head_dim / 2`` each (ops/rotary.py), which matter for very long contexts;
+- the **RoPE tables**: cos and sin, float32, ``max_model_len x head_dim / 2`` each, per
+  distinct RoPE setting (Gemma 3 has two; ops/rotary.py), which matter for very long
+  contexts;
 - the **KV cache**: ``num_kv_blocks`` blocks of ``2 * layers * block_size * kv_heads *
   head_dim * bytes_per_element``, the count set by ``num_kv_blocks``, else by
   ``kv_cache_memory_gb``, else (``kv_cache_memory_gb=None``) by what is free after the
@@ -176,8 +177,7 @@ class MemoryPlan:
         """One line: weights + KV cache (tokens) of the memory that was free."""
         free = ("" if self.available_bytes is None
                 else f" of {format_bytes(self.available_bytes)} free")
-        rope = ("" if self.buffers_bytes < (1 << 20)
-                else f" + RoPE tables {format_bytes(self.buffers_bytes)}")
+        rope = f" + RoPE tables {format_bytes(self.buffers_bytes)}" if self.buffers_bytes else ""
         return (f"weights {format_bytes(self.weights_bytes)} ({self.dtype}){rope} + KV cache "
                 f"{format_bytes(self.kv_cache_bytes)} ({self.kv_tokens} tokens) = "
                 f"{format_bytes(self.total_bytes)}{free}")
@@ -190,11 +190,17 @@ def _kv_dims(cfg: dict[str, Any], arch: str, max_len: int) -> tuple[int, int, in
 
         g = GPT2Args.from_hf(cfg)
         return g.num_layers, g.num_heads, g.hidden_size // g.num_heads, 0
+    from nbengine.model.gemma import GEMMA_ARCHITECTURES, GemmaArgs
+
+    table = 2 * max_len * 4  # cos and sin, float32, times head_dim / 2 below
+    if arch in GEMMA_ARCHITECTURES:
+        g = GemmaArgs.from_hf(cfg, arch, max_len)
+        tables = len(set(map(repr, g.layer_rope)))  # one table per distinct (theta, scaling)
+        return g.num_layers, g.num_kv_heads, g.head_dim, tables * table * (g.head_dim // 2)
     from nbengine.model.llama import DecoderArgs
 
     d = DecoderArgs.from_hf(cfg, arch, max_len)
-    rope = 2 * max_len * (d.head_dim // 2) * 4  # cos and sin, float32
-    return d.num_layers, d.num_kv_heads, d.head_dim, rope
+    return d.num_layers, d.num_kv_heads, d.head_dim, table * (d.head_dim // 2)
 
 
 def _advice(dtype: torch.dtype) -> str:

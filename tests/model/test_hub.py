@@ -205,3 +205,20 @@ def test_unreachable_hub_and_empty_cache_says_so(tmp_path: Path) -> None:
     assert err["error"] == "ModelLoadError", err
     assert "Cannot reach the Hugging Face Hub (http://127.0.0.1:9)" in err["message"]
     assert str(tmp_path / "c") in err["message"]
+
+
+def test_snapshot_links_into_blobs_are_inside_but_links_elsewhere_are_not(
+        tiny: Path, tmp_path: Path) -> None:
+    from nbengine.model import ModelLoadError
+    from nbengine.model.loader import _weight_files
+
+    _, src = _sharded_repo(tiny, tmp_path, "tiny-org/sharded")
+    snap = make_hub_cache(tmp_path / "hub", "tiny-org/sharded", src)
+    assert [f.name for f in _weight_files(snap)] == ["model-00001-of-00002.safetensors",
+                                                    "model-00002-of-00002.safetensors"]
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes((snap / "model-00001-of-00002.safetensors").read_bytes())
+    (snap / "model-00001-of-00002.safetensors").unlink()
+    (snap / "model-00001-of-00002.safetensors").symlink_to(outside)
+    with pytest.raises(ModelLoadError, match="leads outside the model directory"):
+        _weight_files(snap)
