@@ -258,9 +258,10 @@ class ChatTemplate:
         chat = _normalise_messages(messages)
         final = ""
         if continue_final_message:
-            final = chat[-1].get("content")
-            if not isinstance(final, str):
+            content = chat[-1].get("content")
+            if not isinstance(content, str):
                 raise ValueError("continue_final_message=True needs a final message with text content.")
+            final = content
             # Mark where the final message ends, then cut everything the template adds after it.
             chat[-1]["content"] = final + _CONTINUE_TAG
         variables = {**self.special_tokens, **_plain(dict(chat_template_kwargs or {}))}

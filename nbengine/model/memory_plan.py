@@ -188,8 +188,8 @@ def _kv_dims(cfg: dict[str, Any], arch: str, max_len: int) -> tuple[int, int, in
     if arch == "GPT2LMHeadModel":
         from nbengine.model.gpt2 import GPT2Args
 
-        g = GPT2Args.from_hf(cfg)
-        return g.num_layers, g.num_heads, g.hidden_size // g.num_heads, 0
+        gpt2 = GPT2Args.from_hf(cfg)
+        return gpt2.num_layers, gpt2.num_heads, gpt2.hidden_size // gpt2.num_heads, 0
     from nbengine.model.gemma import GEMMA_ARCHITECTURES, GemmaArgs
 
     table = 2 * max_len * 4  # cos and sin, float32, times head_dim / 2 below
