@@ -1,9 +1,10 @@
 """Every chart of every tutorial draws its data in a real JupyterLab.
 
 Each tutorial with charts is opened as shipped (its saved outputs included), run with
-Run > Run All Cells in headless Chromium, and every plotly chart on the page must then
-show a title and draw every one of its traces: a line or markers for a scatter trace,
-at least one bar for a bar trace (counted in the chart's SVG). A chart that exists but
+Run > Run All Cells in headless Chromium (its CPU throttled 6x, a slow browser), and
+every plotly chart on the page must then show a title and draw every one of its
+traces: a line or markers for a scatter trace, at least one bar for a bar trace
+(counted in the chart's SVG). A chart that exists but
 is blank (empty axes, no title, no traces) fails. Screenshots of each chart go to
 artifacts/screenshots/tutorials/.
 
@@ -36,11 +37,10 @@ REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 SCREENSHOTS = REPO / "artifacts" / "screenshots" / "tutorials"
 
-# NBENGINE_BROWSER_THROTTLE=6 runs Chromium's page 6 times slower than the CPU allows:
-# the slow browser of a loaded machine, which drew a plain FigureWidget blank (empty
-# layout; fixed) and can still miss the dashboard's first data updates (not fixed:
-# nbengine/dashboard/figure.py). Off by default.
-CPU_THROTTLE = float(os.environ.get("NBENGINE_BROWSER_THROTTLE", "1"))
+# Chromium runs the page this many times slower than the CPU allows (the slow browser
+# of a loaded machine, where plotly's FigureWidget drew the dashboard blank: 8x
+# reproduced it; nbengine/dashboard/figure.py). NBENGINE_BROWSER_THROTTLE overrides.
+CPU_THROTTLE = float(os.environ.get("NBENGINE_BROWSER_THROTTLE", "6"))
 
 # Calls in a tutorial's code that show a chart.
 CHART_CALLS = ("dashboard(", "plot_timeline(", "FigureWidget", "plotly", ".plot(")
