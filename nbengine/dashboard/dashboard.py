@@ -76,6 +76,8 @@ class Dashboard(widgets.VBox):
         import plotly.graph_objects as go
         from plotly.subplots import make_subplots
 
+        from nbengine.dashboard.figure import LiveFigure
+
         self.title = widgets.HTML("<b>nbengine</b>")
         self.title.add_class("nbengine-dash-title")
         self.cancel_all = widgets.Button(
@@ -103,16 +105,19 @@ class Dashboard(widgets.VBox):
         fig = make_subplots(
             rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "requests")
         )
-        fig.add_trace(go.Scatter(name="generated tok/s", x=[], y=[], mode="lines"), 1, 1)
-        fig.add_trace(go.Scatter(name="prompt tok/s", x=[], y=[], mode="lines"), 1, 1)
-        fig.add_trace(go.Scatter(name="running", x=[], y=[], mode="lines",
-                                 line_shape="hv"), 1, 2)
-        fig.add_trace(go.Scatter(name="waiting", x=[], y=[], mode="lines",
-                                 line_shape="hv"), 1, 2)
+        # Lines and markers: a run shorter than one throughput bin has a single point,
+        # which a line alone does not draw (the chart looked empty).
+        points = dict(mode="lines+markers", marker=dict(size=4))
+        fig.add_trace(go.Scatter(name="generated tok/s", x=[], y=[], **points), 1, 1)
+        fig.add_trace(go.Scatter(name="prompt tok/s", x=[], y=[], **points), 1, 1)
+        fig.add_trace(go.Scatter(name="running", x=[], y=[], line_shape="hv", **points), 1, 2)
+        fig.add_trace(go.Scatter(name="waiting", x=[], y=[], line_shape="hv", **points), 1, 2)
         fig.update_layout(height=280, margin=dict(l=40, r=10, t=40, b=30),
                           legend=dict(orientation="h", y=-0.2))
         fig.update_xaxes(title_text="seconds")
-        self.figure = go.FigureWidget(fig)
+        # A LiveFigure, not a plain FigureWidget: a slow browser drew the plain one blank
+        # (nbengine/dashboard/figure.py).
+        self.figure = LiveFigure(fig)
         super().__init__(
             # The button comes first: the title's width changes with its counts, and a
             # button after it would move under the pointer.
@@ -307,4 +312,5 @@ class DashboardView:
                                                 for b in bins]
             fig.data[2].x, fig.data[2].y = sx, [st.num_running for st in sampled]
             fig.data[3].x, fig.data[3].y = sx, [st.num_waiting for st in sampled]
+        fig.sync()  # a view rendered from now on starts from these data
         self.trait_writes += 1
