@@ -319,9 +319,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", parents=[common], formatter_class=fmt,
         help="throughput/latency against transformers (see docs/benchmarks.md)",
-        description="Run fixed workloads through nbengine and transformers in one process "
-                    "and compare them with this machine's memory-bandwidth bound "
-                    "(docs/benchmarks.md).",
+        description="Run fixed workloads through nbengine and transformers, every run in a "
+                    "fresh process with the same environment, and compare them with this "
+                    "machine's memory-bandwidth bound (docs/benchmarks.md).",
     )
     bench.add_argument("--model", default=None,
                        help="model directory (default: random weights in SmolLM2-135M's shape)")
@@ -337,8 +337,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch threads for every engine (default: physical cores)")
     bench.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE"),
-                       help="OMP_WAIT_POLICY of every engine's process (default: PASSIVE, "
-                            "what import nbengine sets)")
+                       help="OMP_WAIT_POLICY of every engine's process (PASSIVE is what "
+                            "import nbengine sets)")
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
 
