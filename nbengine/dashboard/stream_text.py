@@ -38,10 +38,19 @@ function render({ model, el }) {
   // the bottom; it is read before each update changes the height.
   let follow = true;
   let shown = "";
+  let ours = -1;  // the scrollTop our own last scroll to the end produced
   const node = document.createTextNode("");
   pre.appendChild(node);
+  // A wheel turned upwards is the reader leaving the tail, decided at once: the scroll
+  // event comes a frame later, and an update in between must not pull them back down.
+  pre.addEventListener("wheel", (e) => { if (e.deltaY < 0) follow = false; },
+                       { passive: true });
   pre.addEventListener("scroll", () => {
-    follow = pre.scrollHeight - pre.scrollTop - pre.clientHeight <= SLACK;
+    if (pre.scrollHeight - pre.scrollTop - pre.clientHeight <= SLACK) {
+      follow = true;  // back at the bottom (by wheel, keys or the scroll bar)
+    } else if (pre.scrollTop !== ours) {
+      follow = false;  // moved away by the reader, not by our own scroll to the end
+    }
   });
   const show = () => {
     const text = model.get("value") || "";
@@ -51,7 +60,10 @@ function render({ model, el }) {
       node.data = text;
     }
     shown = text;
-    if (follow) pre.scrollTop = pre.scrollHeight;
+    if (follow) {
+      pre.scrollTop = pre.scrollHeight;
+      ours = pre.scrollTop;
+    }
   };
   show();
   model.on("change:value", show);
