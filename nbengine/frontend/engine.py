@@ -183,7 +183,8 @@ class Engine:
         if tokenizer is None:
             from nbengine.model.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
+            assert model_dir is not None
+            tokenizer = Tokenizer.from_dir(model_dir)
         self.tokenizer = tokenizer
         self._model_dir = model_dir
         if self.config.model.dtype == "auto" and model_dir is not None:
