@@ -122,7 +122,7 @@ class HandleView:
             self.cancel_clicked = True
             self._set(self.widget.cancel_button, "disabled", True)
             self._set(self.widget.badge, "value", badge_html(RequestStatus.RELEASING))
-        self.handle._engine._abort_handle_nowait(self.handle)
+        self.handle.cancel(wait=False)  # public, non-blocking: the abort is only scheduled
 
     # ----------------------------------------------------------------- refresh
 
