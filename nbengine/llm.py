@@ -77,17 +77,13 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}.")
             final_params.append(sp.replace(output_kind=RequestOutputKind.FINAL_ONLY))
-        # Validate everything first, so a bad prompt leaves no request behind.
-        prepared = [
-            self.engine._inputs.prepare(p, sp, None, 0) for p, sp in zip(prompt_list, final_params)
-        ]
         done_q: queue.Queue[int] = queue.Queue()
         handles: list[RequestHandle] = []
         try:
-            for i, prep in enumerate(prepared):
-                h = self.engine._submit(prep)
-                h._add_done_callback(lambda _h, i=i: done_q.put(i))
-                handles.append(h)
+            # Validates every prompt first, so a bad one leaves no request behind.
+            handles = self.engine.generate_many(prompt_list, final_params)
+            for i, h in enumerate(handles):
+                h.add_done_callback(lambda _h, i=i: done_q.put(i))
             return self._collect(handles, done_q, use_tqdm)
         except BaseException:
             unfinished = [h for h in handles if not h.done()]
@@ -137,7 +133,7 @@ class LLM:
                 try:
                     i = done_q.get(timeout=0.1)
                 except queue.Empty:
-                    self.engine._check_waiter_alive()
+                    self.engine.check_health()
                     continue
                 remaining -= 1
                 final = handles[i].final_output

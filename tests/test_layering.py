@@ -30,3 +30,123 @@ def test_core_and_backends_do_not_import_the_frontend() -> None:
         for path in (PACKAGE / sub).rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+# --------------------------------------------------------------------------- seams
+# The UI, LLM, the CLI, the bench and the backends reach the frontend only through its
+# public names (docs/architecture.md, "Seams"): the observer protocol, the public abort
+# calls, RequestHandle's API. The frontend never imports the UI or the backends at module
+# level (they are optional, loaded on first use).
+
+# Modules that must not touch any private attribute of another object at all.
+_STRICT = ("dashboard", "distributed", "bench", "llm.py", "cli.py")
+# The frontend modules whose classes' private names nothing outside the frontend may use.
+_OWNERS = {"frontend/engine.py": "Engine", "frontend/handles.py": "RequestHandle"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _class_private_names(path: Path, cls_name: str) -> set[str]:
+    """Private names a class defines: methods, class attributes, ``self._x`` it assigns."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                names.add(node.attr)
+    return {n for n in names if _is_private(n)}
+
+
+def _private_accesses(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, attribute, source)`` of every ``x._name`` (and ``getattr(x, "_name")``)
+    where ``x`` is not ``self``/``cls``/``super()`` and not rooted at an imported module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            modules.update(a.asname or a.name for a in node.names)
+
+    def exempt(value: ast.expr) -> bool:
+        if isinstance(value, ast.Name):
+            return value.id in ("self", "cls")
+        if isinstance(value, ast.Call):
+            return isinstance(value.func, ast.Name) and value.func.id == "super"
+        root = value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return isinstance(root, ast.Name) and root.id in modules  # e.g. torch.ops.x._y
+
+    found: list[tuple[int, str, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if not exempt(node.value) and not (isinstance(node.value, ast.Name)
+                                               and node.value.id in modules):
+                found.append((node.lineno, node.attr, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _is_private(node.args[1].value)
+              and not exempt(node.args[0])):
+            found.append((node.lineno, node.args[1].value, ast.unparse(node)))
+    return found
+
+
+def seam_violations(package: Path) -> list[str]:
+    """Every breach of the seams in ``package`` (a checkout's ``nbengine`` directory)."""
+    owned: set[str] = set()
+    for rel, cls_name in _OWNERS.items():
+        owned |= _class_private_names(package / rel, cls_name)
+    out: list[str] = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.parts[0] == "frontend":
+            continue
+        strict = rel.parts[0] in _STRICT
+        for line, attr, src in _private_accesses(path):
+            if strict or attr in owned:
+                out.append(f"{rel}:{line}: {src}")
+    for path in sorted((package / "frontend").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:  # module level only (not `if TYPE_CHECKING:`, not functions)
+            mods: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            for mod in mods:
+                if mod.startswith(("nbengine.dashboard", "nbengine.distributed")):
+                    out.append(f"{path.relative_to(package)}:{node.lineno}: import {mod}")
+    return out
+
+
+def test_ui_and_entry_points_use_only_public_frontend_names() -> None:
+    assert seam_violations(PACKAGE) == []
+
+
+def test_the_seam_check_sees_private_access_and_module_level_imports(tmp_path: Path) -> None:
+    """The check is not vacuous: a copy with the old kind of breach fails it."""
+    pkg = tmp_path / "nbengine"
+    for sub in ("frontend", "dashboard"):
+        (pkg / sub).mkdir(parents=True)
+    for rel in _OWNERS:
+        (pkg / rel).write_text((PACKAGE / rel).read_text(encoding="utf-8"), encoding="utf-8")
+    (pkg / "frontend" / "extra.py").write_text("from nbengine.dashboard.monitor import X\n")
+    (pkg / "dashboard" / "ui.py").write_text(
+        "def f(engine):\n    engine._call_soon(print)\n    return getattr(engine, '_x', 0)\n"
+    )
+    (pkg / "model.py").write_text("def g(llm):\n    return llm.engine._processor\n")
+    assert sorted(seam_violations(pkg)) == [
+        "dashboard/ui.py:2: engine._call_soon",
+        "dashboard/ui.py:3: getattr(engine, '_x', 0)",
+        "frontend/extra.py:1: import nbengine.dashboard.monitor",
+        "model.py:2: llm.engine._processor",
+    ]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from nbengine.bench.workloads import Workload
+from nbengine.frontend.observer import EngineObserver
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,30 @@ class RunResult:
 # --------------------------------------------------------------------------- nbengine
 
 
+class _TokenTimes(EngineObserver):
+    """An engine observer (nbengine/frontend/observer.py) that records, per request key,
+    when each batch of new tokens reached the frontend, and the prefix-cache counters of
+    the latest step. Runs on the engine's loop thread."""
+
+    def __init__(self) -> None:
+        self.token_times: dict[str, list[tuple[float, int]]] = {}
+        self.hits = (0, 0)
+        self._counts: dict[str, int] = {}
+        self._batch: tuple[float, float] = (-1.0, 0.0)  # (the batch's `now`, perf_counter)
+
+    def on_tokens(
+        self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None
+    ) -> None:
+        if self._batch[0] != now:  # `now` is one reading per core batch: stamp it once
+            self._batch = (now, time.perf_counter())
+        new = num_output_tokens - self._counts.get(key, 0)
+        self._counts[key] = num_output_tokens
+        self.token_times.setdefault(key, []).append((self._batch[1], new))
+
+    def on_step(self, stats: Any) -> None:
+        self.hits = (stats.prefix_cache_hits, stats.prefix_cache_queries)
+
+
 class NbengineDriver:
     """Runs workloads on ``nb.Engine``; a fresh engine per run."""
 
@@ -58,35 +83,20 @@ class NbengineDriver:
         self.dtype = dtype
         self.engine_kwargs = dict(engine_kwargs or {})
 
-    def _engine(self, **overrides: Any) -> Any:
+    def _engine(self, **overrides: Any) -> tuple[Any, _TokenTimes]:
         from nbengine.frontend.engine import Engine
 
-        class _TimedEngine(Engine):
-            """Records, per request key, when each batch of new tokens reached the frontend."""
-
-            def __init__(self, *a: Any, **kw: Any) -> None:
-                self.token_times: dict[str, list[tuple[float, int]]] = {}
-                self.hits = (0, 0)
-                super().__init__(*a, **kw)
-
-            def _process_outputs(self, outputs: Any) -> None:
-                now = time.perf_counter()
-                times = self.token_times
-                for out in outputs.outputs:
-                    if out.new_token_ids:
-                        times.setdefault(out.request_id, []).append((now, len(out.new_token_ids)))
-                if outputs.step is not None:
-                    self.hits = (outputs.step.prefix_cache_hits, outputs.step.prefix_cache_queries)
-                super()._process_outputs(outputs)
-
         kw = {"dtype": self.dtype, **self.engine_kwargs, **overrides}
-        return _TimedEngine(str(self.model_dir), **kw)
+        engine = Engine(str(self.model_dir), **kw)
+        timer = _TokenTimes()
+        engine.add_observer(timer)
+        return engine, timer
 
     def run(self, wl: Workload, **overrides: Any) -> RunResult:
         import nbengine as nb
 
         res = RunResult(self.name, wl.name)
-        engine = self._engine(**overrides)
+        engine, timer = self._engine(**overrides)
         try:
             params = [
                 nb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
@@ -97,7 +107,7 @@ class NbengineDriver:
             handles = [engine.generate(p, sp) for p, sp in zip(wl.prompts, params)]
             finals = [h.result() for h in handles]
             res.wall_s = time.perf_counter() - t0
-            by_key = engine.token_times
+            by_key = timer.token_times
             for h, final in zip(handles, finals):
                 n_out = len(final.outputs[0].token_ids)
                 res.output_tokens += n_out
@@ -107,7 +117,7 @@ class NbengineDriver:
                 if stamps:
                     res.ttft_s.append(stamps[0][0] - t0)
                     res.itl_s.extend(_gaps(stamps))
-            hits, queries = engine.hits
+            hits, queries = timer.hits
             res.extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
             res.extra["num_steps"] = len(engine.step_stats())
         finally:
@@ -119,7 +129,7 @@ class NbengineDriver:
         """Seconds per ``engine.abort()`` call while ``num_running`` requests decode."""
         import nbengine as nb
 
-        engine = self._engine()
+        engine, timer = self._engine()
         lat: list[float] = []
         try:
             sp = nb.SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True,
@@ -128,7 +138,7 @@ class NbengineDriver:
                        for i in range(num_running)]
             # Wait until every request has produced a token (all RUNNING and decoding).
             deadline = time.monotonic() + 600
-            while len(engine.token_times) < num_running and time.monotonic() < deadline:
+            while len(timer.token_times) < num_running and time.monotonic() < deadline:
                 time.sleep(0.01)
             for i in range(min(num_aborts, num_running)):
                 t = time.perf_counter()

@@ -62,7 +62,7 @@ def _abort_round_trip(engine: nb.Engine, repeats: int = 10) -> float:
 
 
 def _prefix_hits(engine: nb.Engine, groups: int = 4, per_group: int = 8) -> dict[str, float]:
-    vocab = engine._vocab_size
+    vocab = engine.vocab_size
     params = nb.SamplingParams(max_tokens=4, ignore_eos=True)
     prompts = []
     for g in range(groups):

@@ -188,13 +188,11 @@ class _NoUpdates:
 
 
 def final_handle_widget(handle: RequestHandle) -> HandleWidget:
-    """The widget of a finished handle whose engine is gone: its final state, no updates."""
-    widget = getattr(handle, "_widget", None)
-    if widget is None:
-        widget = HandleWidget(handle.request_id)
-        view = HandleView(handle, widget, cast("UIUpdater", _NoUpdates()))
-        view.refresh()
-        handle._widget = widget  # type: ignore[attr-defined]
+    """A widget of a finished handle whose engine is gone: its final state, no updates
+    (``RequestHandle.widget()`` keeps one per handle)."""
+    widget = HandleWidget(handle.request_id)
+    view = HandleView(handle, widget, cast("UIUpdater", _NoUpdates()))
+    view.refresh()
     return widget
 
 

@@ -1,8 +1,12 @@
-"""``EngineMonitor``: the engine's metrics log and UI, fed by the engine's hooks.
+"""``EngineMonitor``: the engine's metrics log and UI, an ``EngineObserver``.
 
-The engine owns one monitor and calls, on its loop thread: ``on_request`` when an
+The engine owns one monitor and registers it as an observer (nbengine/frontend/observer.py),
+so the output processor calls, on the loop thread: ``on_request`` when an
 incarnation is registered, ``on_event(ev)`` for every lifecycle transition,
-``on_tokens`` when a request has new tokens and ``on_step(stats)`` for every step. Readers on any
+``on_scheduled`` with the core's schedule time of a running request,
+``on_tokens`` when a request has new tokens, ``on_step(stats)`` for every step and
+``on_routed`` when a replica takes a request. The monitor uses only the engine's public
+API. Readers on any
 thread use ``metrics`` (thread-safe), ``handle_widget()``, ``dashboard()`` and
 ``plot_timeline()``. Widget modules (ipywidgets, plotly) are imported only when a
 widget or figure is first asked for.
@@ -17,7 +21,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from nbengine.metrics import MetricsLog
-from nbengine.request import RequestStatus
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -102,10 +105,7 @@ class EngineMonitor:
     def _engine_running(self) -> bool:
         """True while the engine's loop thread runs (final states may still arrive)."""
         engine = self._engine_ref()
-        if engine is None:
-            return False
-        loop_thread = getattr(engine, "_loop_thread", None)
-        return loop_thread is None or loop_thread.is_alive()
+        return engine is not None and engine.loop_running
 
     # ------------------------------------------------------- hooks (loop thread)
 
@@ -118,14 +118,15 @@ class EngineMonitor:
     def on_event(self, ev: LifecycleEvent) -> None:
         """A lifecycle transition."""
         self.metrics.on_event(ev)
-        if ev.to_status is RequestStatus.RUNNING:
-            # The frontend stamps events when a batch reaches the loop; the request's own
-            # metrics hold the core's (earlier) schedule time.
-            engine = self._engine_ref()
-            live = None if engine is None else engine._processor.requests.get(ev.request_id)
-            when = None if live is None else live.metrics.first_scheduled_time
-            if when is not None:
-                self.metrics.on_scheduled(ev.key, when)
+
+    def on_scheduled(self, key: str, when: float) -> None:
+        """``key`` went RUNNING. The frontend stamps events when a batch reaches the loop;
+        ``when`` is the core's (earlier) schedule time of the request."""
+        self.metrics.on_scheduled(key, when)
+
+    def on_routed(self, key: str, replica: int) -> None:
+        """A multi-replica backend placed ``key`` on ``replica``."""
+        self.metrics.on_replica(key, replica)
 
     def on_step(self, stats: StepStats) -> None:
         """An engine step."""
@@ -146,31 +147,14 @@ class EngineMonitor:
         is left alone.
         """
         engine = self._engine_ref()
-        if engine is None or not engine.is_alive:
-            return
-
-        def on_loop() -> None:
-            live = engine._processor.requests.get(request_id)
-            if live is None or live.finalized:
-                return
-            if key is not None and all(c.key != key for c in live.children):
-                return
-            engine._processor.request_abort(live)
-
-        engine._call_soon(on_loop)
+        if engine is not None:
+            engine.abort_nowait(request_id, key)
 
     def abort_all_nowait(self) -> None:
         """Schedule an abort of every live request and return at once."""
         engine = self._engine_ref()
-        if engine is None or not engine.is_alive:
-            return
-
-        def on_loop() -> None:
-            for live in list(engine._processor.requests.values()):
-                if not live.finalized:
-                    engine._processor.request_abort(live)
-
-        engine._call_soon(on_loop)
+        if engine is not None:
+            engine.abort_all_nowait()
 
     # --------------------------------------------------------------- widgets
 
@@ -187,20 +171,11 @@ class EngineMonitor:
             return self._updater
 
     def handle_widget(self, handle: RequestHandle) -> HandleWidget:
-        """The handle's live widget (one per handle, created on the first call's thread)."""
+        """A new live widget of ``handle``, created on the calling thread
+        (``RequestHandle.widget()`` keeps one per handle)."""
         from nbengine.dashboard.handle_widget import make_handle_widget
 
-        with self._lock:
-            widget = getattr(handle, "_widget", None)
-        if widget is None:
-            widget = make_handle_widget(handle, self.updater)
-            with self._lock:
-                existing = getattr(handle, "_widget", None)
-                if existing is None:
-                    handle._widget = widget  # type: ignore[attr-defined]
-                else:
-                    widget = existing
-        return widget
+        return make_handle_widget(handle, self.updater)
 
     def dashboard(self) -> Dashboard:
         """The engine's live dashboard (one per engine; display it as often as you like)."""

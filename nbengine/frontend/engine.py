@@ -41,10 +41,10 @@ from nbengine.core.messages import (
     MessageType,
     StepStats,
 )
-from nbengine.dashboard.monitor import EngineMonitor
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
 from nbengine.frontend.events import LifecycleEvent
 from nbengine.frontend.handles import RequestHandle
+from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.waiter import make_async_waiter
 from nbengine.frontend.input_processor import InputProcessor, PreparedRequest
 from nbengine.frontend.output_processor import ChildState, LiveRequest, OutputProcessor
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
     from nbengine.core.engine_core import EngineCore, RunnerLike
     from nbengine.dashboard.dashboard import Dashboard
+    from nbengine.dashboard.monitor import EngineMonitor
 
 __all__ = ["Engine"]
 
@@ -206,8 +207,13 @@ class Engine:
         )
         self._stream_interval = self.config.scheduler.stream_interval
 
-        # Metrics log and widgets; fed by the hooks below, on the loop thread.
-        self._monitor = EngineMonitor(self)
+        # Observers of the output processor (docs/architecture.md, "Seams"); the first is
+        # the metrics log and widgets. The UI package is imported here, not at module level.
+        from nbengine.dashboard.monitor import EngineMonitor
+
+        self._observers = ObserverList()
+        self.monitor: EngineMonitor = EngineMonitor(self)
+        self._observers.add(self.monitor)
         self._dead: str | None = None  # why the engine can no longer serve (loop thread writes)
         self._closed = False
         self._shutdown_lock = threading.Lock()
@@ -220,10 +226,7 @@ class Engine:
         self._processor = OutputProcessor(
             tokenizer,
             send_abort=lambda keys: ref()._send_abort(keys),  # type: ignore[union-attr]
-            on_event=lambda ev: ref()._on_event(ev),  # type: ignore[union-attr]
-            on_step=lambda st: ref()._on_step(st),  # type: ignore[union-attr]
-            on_request=lambda *a: ref()._on_request(*a),  # type: ignore[union-attr]
-            on_tokens=lambda *a: ref()._on_tokens(*a),  # type: ignore[union-attr]
+            observers=self._observers,
         )
 
         self._exit_stack = contextlib.ExitStack()
@@ -246,33 +249,23 @@ class Engine:
         self._finalizer = weakref.finalize(self, _reap_engine, self._client, self._exit_stack)
         self._finalizer.atexit = False  # at exit, _shutdown_all_engines does it
 
-    # ------------------------------------------------------------- event hooks
+    # -------------------------------------------------------------- observers
 
-    def _on_event(self, ev: LifecycleEvent) -> None:
-        """Called on the loop thread for every lifecycle transition."""
-        self._monitor.on_event(ev)
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Notify ``observer`` of this engine's requests, lifecycle events, tokens and
+        steps from now on (``nbengine.frontend.observer``); its hooks run on the engine's
+        loop thread and must not block. Adding it twice does nothing."""
+        self._observers.add(observer)
 
-    def _on_step(self, stats: StepStats) -> None:
-        """Called on the loop thread for every engine step."""
-        self._monitor.on_step(stats)
-
-    def _on_request(
-        self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
-    ) -> None:
-        """Called on the loop thread when an incarnation (each n>1 child) is registered."""
-        self._monitor.on_request(key, request_id, num_prompt_tokens, arrival_time)
+    def remove_observer(self, observer: EngineObserver) -> None:
+        """Stop notifying ``observer``; ValueError if it was not added."""
+        self._observers.remove(observer)
 
     def _on_routed(self, key: str, replica: int) -> None:
         """Called on the loop thread when a multi-replica backend places ``key``."""
-        monitor = getattr(self, "_monitor", None)
-        if monitor is not None:
-            monitor.metrics.on_replica(key, replica)
-
-    def _on_tokens(
-        self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None
-    ) -> None:
-        """Called on the loop thread when ``key`` has new tokens (cumulative count)."""
-        self._monitor.on_tokens(key, num_output_tokens, now, num_cached_tokens)
+        observers = getattr(self, "_observers", None)
+        if observers is not None:
+            observers.on_routed(key, replica)
 
     # ------------------------------------------------------------ core thread
 
@@ -480,8 +473,11 @@ class Engine:
                 raise EngineDeadError(self._dead or "The engine has been shut down.") from exc
             raise
 
-    def _check_waiter_alive(self) -> None:
-        """Raise EngineDeadError if nothing will ever wake a waiter (threads gone)."""
+    def check_health(self) -> None:
+        """Raise EngineDeadError if nothing will ever deliver outputs again: the loop
+        thread is gone, or the core has been gone for a few seconds without its failure
+        reaching the loop. A failed engine whose threads still run delivers that failure
+        to every waiter itself. Waiting loops call this when they wake without news."""
         if not self._loop_thread.is_alive():
             raise EngineDeadError(self._dead or "The engine loop thread is gone.")
         if self._client.is_alive():
@@ -506,7 +502,7 @@ class Engine:
             try:
                 return fut.result(timeout=wait)
             except FutureTimeoutError:
-                self._check_waiter_alive()
+                self.check_health()
 
     async def _await_future(self, fut: Future[T]) -> T:
         while not fut.done():
@@ -514,7 +510,7 @@ class Engine:
             fut.add_done_callback(lambda _f: wake())
             await wait(0.25)
             if not fut.done():
-                self._check_waiter_alive()
+                self.check_health()
         return fut.result()
 
     # ------------------------------------------------------------- public API
@@ -538,6 +534,37 @@ class Engine:
             raise EngineDeadError("The engine core thread is gone.")
         prep = self._inputs.prepare(prompt, sampling_params, request_id, priority)
         return self._submit(prep)
+
+    def generate_many(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: Sequence[SamplingParams | None],
+    ) -> list[RequestHandle]:
+        """Start one request per prompt, with the params at the same index; return their
+        handles in order (``LLM.generate`` is built on this).
+
+        Every prompt is validated first, so a bad one raises (ValueError/TypeError) before
+        any request starts. An exception or interrupt while they are being started cancels
+        those already started, then propagates.
+        """
+        if len(prompts) != len(sampling_params):
+            raise ValueError(
+                f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts."
+            )
+        prepared = [self._inputs.prepare(p, sp, None, 0) for p, sp in zip(prompts, sampling_params)]
+        handles: list[RequestHandle] = []
+        try:
+            for prep in prepared:
+                handles.append(self._submit(prep))
+        except BaseException:
+            for h in handles:
+                if not h.done():
+                    try:
+                        h.cancel()
+                    except Exception:
+                        pass
+            raise
+        return handles
 
     def chat(
         self,
@@ -628,6 +655,38 @@ class Engine:
                 results.append(out)
         return results[0] if single else results
 
+    def abort_nowait(self, request_id: str, key: str | None = None) -> None:
+        """Schedule an abort of ``request_id`` on the loop and return at once (widget
+        callbacks use this; ``abort()`` waits for the confirmation instead).
+
+        With ``key`` (an incarnation's internal key, as in ``events()``) only that
+        incarnation is aborted: a newer request reusing the id is left alone.
+        """
+        if not self.is_alive:
+            return
+
+        def on_loop() -> None:
+            live = self._processor.requests.get(request_id)
+            if live is None or live.finalized:
+                return
+            if key is not None and all(c.key != key for c in live.children):
+                return
+            self._processor.request_abort(live)
+
+        self._call_soon(on_loop)
+
+    def abort_all_nowait(self) -> None:
+        """Schedule an abort of every live request on the loop and return at once."""
+        if not self.is_alive:
+            return
+
+        def on_loop() -> None:
+            for live in list(self._processor.requests.values()):
+                if not live.finalized:
+                    self._processor.request_abort(live)
+
+        self._call_soon(on_loop)
+
     def _abort_future(self, handle: RequestHandle) -> Future[RequestOutput] | None:
         """Start aborting ``handle``'s request on the loop; None if there is nothing to
         wait for (its final output is in, or the engine is dead)."""
@@ -676,26 +735,43 @@ class Engine:
     def events(self) -> pd.DataFrame:
         """One row per lifecycle transition: request_id, key, from_status, to_status,
         time, elapsed, wall_time, num_output_tokens, step (``nbengine.metrics``)."""
-        return self._monitor.metrics.events()
+        return self.monitor.metrics.events()
 
     def request_stats(self) -> pd.DataFrame:
         """One row per request incarnation: status, finish_reason, prompt/output tokens,
         queue_time, ttft, itl_mean, itl_p99, e2e_time, preemptions, num_cached_tokens."""
-        return self._monitor.metrics.request_stats()
+        return self.monitor.metrics.request_stats()
 
     def step_stats(self) -> pd.DataFrame:
         """One row per engine step: batch size, prefill/decode tokens, KV blocks used and
         total, step_time, running, waiting, preemptions, prefix-cache hit rate."""
-        return self._monitor.metrics.step_stats()
+        return self.monitor.metrics.step_stats()
 
     def dashboard(self) -> Dashboard:
         """The live dashboard widget: requests and their statuses with Cancel buttons,
         "Cancel all", KV cache usage, throughput and running/waiting charts."""
-        return self._monitor.dashboard()
+        return self.monitor.dashboard()
 
     def plot_timeline(self, **kwargs: Any) -> go.Figure:
         """A static plotly Gantt chart of every request's statuses over time."""
-        return self._monitor.plot_timeline(**kwargs)
+        return self.monitor.plot_timeline(**kwargs)
+
+    @property
+    def loop_running(self) -> bool:
+        """True while the engine's loop thread runs, or has yet to start (final outputs
+        may still arrive)."""
+        thread = getattr(self, "_loop_thread", None)
+        return thread is None or thread.is_alive()
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (the largest valid token id plus one)."""
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt plus output tokens) a request may reach."""
+        return self._max_model_len
 
     @property
     def is_alive(self) -> bool:
@@ -746,7 +822,7 @@ class Engine:
             self._exit_stack.close()
         except Exception:
             logger.exception("closing the engine loop failed")
-        self._monitor.shutdown()  # widgets show their final states, the UI updater stops
+        self.monitor.shutdown()  # widgets show their final states, the UI updater stops
         if left is not None:
             warnings.warn(f"nbengine shutdown: {left}.", RuntimeWarning, stacklevel=3)
 

@@ -1,8 +1,8 @@
 """Lifecycle events: one record per status transition of one request incarnation.
 
-The engine hands every ``LifecycleEvent`` to ``Engine._on_event`` and every core
-``StepStats`` to ``Engine._on_step``, always on the ``nbengine-loop`` thread. The
-metrics log and the dashboard build on these hooks.
+The output processor hands every ``LifecycleEvent`` and every core ``StepStats`` to the
+engine's observers (nbengine/frontend/observer.py), always on the ``nbengine-loop``
+thread. The metrics log and the dashboard are such an observer.
 """
 
 from __future__ import annotations

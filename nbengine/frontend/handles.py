@@ -111,6 +111,7 @@ class RequestHandle:
         self._consumer_claimed = False
         self._wakers: list[Callable[[], None]] = []
         self._done_callbacks: list[Callable[[RequestHandle], None]] = []
+        self._widget: HandleWidget | None = None  # created by widget(), one per handle
 
     @property
     def _engine(self) -> Engine:
@@ -213,13 +214,21 @@ class RequestHandle:
     def widget(self) -> HandleWidget:
         """The live widget of this request (text, status badge, tokens/s, Cancel button);
         one per handle, created on the calling thread."""
+        widget = self._widget
+        if widget is not None:
+            return widget
         try:
             engine = self._engine
         except EngineDeadError:  # finished, and its engine was freed: show the final state
             from nbengine.dashboard.handle_widget import final_handle_widget
 
-            return final_handle_widget(self)
-        return engine._monitor.handle_widget(self)
+            widget = final_handle_widget(self)
+        else:
+            widget = engine.monitor.handle_widget(self)
+        with self._cond:
+            if self._widget is None:
+                self._widget = widget
+            return self._widget
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         """In a notebook a handle shows its widget; the text/plain form stays
@@ -260,7 +269,7 @@ class RequestHandle:
             except Exception:  # a callback must not break output processing
                 logger.exception("done callback of request %r failed", self.request_id)
 
-    def _add_done_callback(self, cb: Callable[[RequestHandle], None]) -> None:
+    def add_done_callback(self, cb: Callable[[RequestHandle], None]) -> None:
         """Run ``cb(handle)`` once the final output is delivered (at once if it was)."""
         with self._cond:
             if self._final is None:
@@ -330,7 +339,7 @@ class RequestHandle:
                     return out
                 self._cond.wait(_SYNC_WAKE_S)
                 if self._pending is None and self._final is None and self._error is None:
-                    self._engine._check_waiter_alive()
+                    self._engine.check_health()
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Block until the request finishes; return its full final output.
@@ -354,7 +363,7 @@ class RequestHandle:
                         wait = min(wait, remaining)
                     self._cond.wait(wait)
                     if self._final is None:
-                        self._engine._check_waiter_alive()
+                        self._engine.check_health()
         except KeyboardInterrupt:
             self._cancel_quietly(block=True)
             raise
@@ -410,7 +419,7 @@ class RequestHandle:
             with self._cond:
                 if ready():
                     return
-            self._engine._check_waiter_alive()
+            self._engine.check_health()
 
     async def _next_async(self) -> RequestOutput | None:
         box: list[Any] = []

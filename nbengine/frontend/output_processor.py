@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from nbengine.core.messages import EngineCoreOutput, EngineCoreOutputs, StepStats
+from nbengine.core.messages import EngineCoreOutput, EngineCoreOutputs
 from nbengine.frontend.detokenizer import IncrementalDetokenizer, TokenizerLike
 from nbengine.frontend.events import LifecycleEvent
 from nbengine.frontend.handles import RequestHandle
+from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.outputs import (
     CompletionOutput,
     PositionLogprobs,
@@ -128,19 +129,12 @@ class OutputProcessor:
         self,
         tokenizer: TokenizerLike,
         send_abort: Callable[[list[str]], None],
-        on_event: Callable[[LifecycleEvent], None],
-        on_step: Callable[[StepStats], None],
-        on_request: Callable[[str, str, int, float], None] | None = None,
-        on_tokens: Callable[[str, int, float, int | None], None] | None = None,
+        observers: ObserverList | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._send_abort = send_abort
-        self._on_event = on_event
-        self._on_step = on_step
-        # Optional metrics hooks: on_request(key, request_id, num_prompt_tokens, arrival_time)
-        # and on_tokens(key, num_output_tokens, now, num_cached_tokens).
-        self._on_request = on_request
-        self._on_tokens = on_tokens
+        # Notified on this thread; ObserverList logs a failing hook and carries on.
+        self._observers: EngineObserver = observers if observers is not None else ObserverList()
         self.requests: dict[str, LiveRequest] = {}
         self.keys: dict[str, ChildState] = {}
         self._parent_of: dict[str, LiveRequest] = {}
@@ -157,12 +151,8 @@ class OutputProcessor:
         for child in live.children:
             self.keys[child.key] = child
             self._parent_of[child.key] = live
-            if self._on_request is not None:
-                try:
-                    self._on_request(child.key, live.request_id, len(live.prompt_token_ids),
-                                     live.metrics.arrival_time)
-                except Exception:
-                    logger.exception("request hook failed")
+            self._observers.on_request(child.key, live.request_id, len(live.prompt_token_ids),
+                                       live.metrics.arrival_time)
             self._transition(live, child, RequestStatus.QUEUED)
 
     def num_unfinished(self) -> int:
@@ -171,21 +161,21 @@ class OutputProcessor:
     def _emit_event(
         self, live: LiveRequest, child: ChildState, old: RequestStatus | None, new: RequestStatus
     ) -> None:
-        try:
-            self._on_event(
-                LifecycleEvent(
-                    request_id=live.request_id,
-                    key=child.key,
-                    from_status=old,
-                    to_status=new,
-                    time=time.monotonic(),
-                    wall_time=time.time(),
-                    num_output_tokens=len(child.detok.token_ids),
-                    step=self.last_step,
-                )
+        self._observers.on_event(
+            LifecycleEvent(
+                request_id=live.request_id,
+                key=child.key,
+                from_status=old,
+                to_status=new,
+                time=time.monotonic(),
+                wall_time=time.time(),
+                num_output_tokens=len(child.detok.token_ids),
+                step=self.last_step,
             )
-        except Exception:
-            logger.exception("lifecycle event hook failed")
+        )
+        if new is RequestStatus.RUNNING and live.metrics.first_scheduled_time is not None:
+            # The core's own schedule time: earlier than this event's (docs/architecture.md).
+            self._observers.on_scheduled(child.key, live.metrics.first_scheduled_time)
 
     def _transition(self, live: LiveRequest, child: ChildState, new: RequestStatus) -> None:
         old = None if new is RequestStatus.QUEUED else child.status
@@ -245,10 +235,7 @@ class OutputProcessor:
         """Apply one core batch: events, new tokens, confirmations; deliver outputs."""
         if batch.step is not None:
             self.last_step = batch.step.step
-            try:
-                self._on_step(batch.step)
-            except Exception:
-                logger.exception("step hook failed")
+            self._observers.on_step(batch.step)
         now = time.monotonic()
         # Per request: the children this batch changed (publishing is O(changed), not O(n)).
         touched: dict[str, tuple[LiveRequest, dict[int, ChildState]]] = {}
@@ -341,12 +328,8 @@ class OutputProcessor:
             and not child.params.include_stop_str_in_output
         )
         stop = child.detok.update(ids, exclude_last_text=hide_last)
-        if self._on_tokens is not None:
-            try:
-                self._on_tokens(child.key, len(child.detok.token_ids), now,
-                                live.num_cached_tokens)
-            except Exception:
-                logger.exception("tokens hook failed")
+        self._observers.on_tokens(child.key, len(child.detok.token_ids), now,
+                                  live.num_cached_tokens)
         if stop is not None and not out.finished and not child.released:
             # Decided here: the core still runs it. RELEASING until it confirms.
             self._transition(live, child, RequestStatus.RELEASING)

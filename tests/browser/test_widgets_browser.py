@@ -74,7 +74,7 @@ def _cells(engine_args: str) -> list[str]:
     setup = "\n".join([
         "import nbengine as nb",
         f"engine = nb.Engine({engine_args})",
-        "LONG_TOKENS = engine._max_model_len - 64",
+        "LONG_TOKENS = engine.max_model_len - 64",
         "print('engine ready')",
     ])
     return [

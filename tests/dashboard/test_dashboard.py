@@ -53,7 +53,7 @@ def test_row_cancel_aborts_only_its_request(engine: nb.Engine) -> None:
     b = engine.generate("Once upon a time", long_params(), request_id="row-b")
     try:
         wait_until(lambda: _rows(dash).get("row-a") == "RUNNING", what="row-a RUNNING")
-        with engine._monitor.updater.lock:
+        with engine.monitor.updater.lock:
             row = next(r for r in dash.rows if r.request_id == "row-a")
             row.cancel.click()
         assert row.cancel.disabled
@@ -86,7 +86,7 @@ def test_kv_bar_adds_up_every_replicas_latest_step(fresh_engine: nb.Engine) -> N
 
     dash = fresh_engine.dashboard()
     for replica, used in ((0, 3), (1, 5)):
-        fresh_engine._monitor.metrics.on_step(StepStats(
+        fresh_engine.monitor.metrics.on_step(StepStats(
             step=1, start_time=0.0, duration_s=0.01, num_requests=1, num_prefill_tokens=0,
             num_decode_tokens=1, num_running=1, num_waiting=0, kv_blocks_used=used,
             kv_blocks_total=10, prefix_cache_queries=4, prefix_cache_hits=1 + replica,

@@ -12,6 +12,7 @@ from dashboard_helpers import long_params, wait_until
 from nbengine.dashboard import handle_widget
 from nbengine.dashboard.handle_widget import HandleWidget
 from nbengine.dashboard.stream_text import StreamingText
+from nbengine.frontend.observer import EngineObserver
 from nbengine.request import RequestStatus
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -55,7 +56,7 @@ def test_widget_streams_text_and_shows_the_final_state(engine: nb.Engine) -> Non
     view = w.view
     assert view is not None
     final = h.result()
-    updater = engine._monitor.updater
+    updater = engine.monitor.updater
     wait_until(lambda: view not in updater, what="the finished view to be dropped")
     assert "FINISHED_LENGTH_CAPPED" in _badge(w)
     assert w.cancel_button.disabled
@@ -72,7 +73,7 @@ def test_widget_of_a_finished_handle_shows_final_state_at_once(engine: nb.Engine
     w = h.widget()
     assert "FINISHED_LENGTH_CAPPED" in _badge(w)
     assert w.cancel_button.disabled
-    assert w.view not in engine._monitor.updater
+    assert w.view not in engine.monitor.updater
 
 
 def test_cancel_click_aborts_with_confirmation_and_frees_the_id(engine: nb.Engine) -> None:
@@ -104,11 +105,14 @@ def test_cancel_click_never_blocks_the_clicking_thread(engine: nb.Engine) -> Non
     release = threading.Event()
     stuck = threading.Event()
 
-    def block_loop() -> None:  # runs on the loop thread: nothing else runs there meanwhile
-        stuck.set()
-        release.wait(60)
+    class BlockLoop(EngineObserver):
+        def on_step(self, stats: object) -> None:  # on the loop thread: nothing else runs
+            if not stuck.is_set():
+                stuck.set()
+                release.wait(60)
 
-    engine._call_soon(block_loop)
+    blocker = BlockLoop()
+    engine.add_observer(blocker)
     assert stuck.wait(30)
     try:
         w.cancel_button.click()  # would hang here if it waited for the loop
@@ -116,6 +120,7 @@ def test_cancel_click_never_blocks_the_clicking_thread(engine: nb.Engine) -> Non
         assert not h.done()
     finally:
         release.set()
+        engine.remove_observer(blocker)
     assert h.result(timeout=60).status is RequestStatus.FINISHED_ABORTED
 
 

@@ -107,7 +107,7 @@ def test_handle_widget_text_writes_are_coalesced(engine: nb.Engine) -> None:
     w = h.widget()
     text_writes = []
     w.text.observe(lambda c: text_writes.append(c), names="value")
-    updater = engine._monitor.updater
+    updater = engine.monitor.updater
     ticks0 = updater.ticks
     h.result()
     wait_until(lambda: w.view not in updater, what="the final state")
@@ -119,7 +119,7 @@ def test_engine_shutdown_stops_the_updater_after_final_states(fresh_engine: nb.E
     h = fresh_engine.generate("Once upon", long_params(), request_id="live-at-shutdown")
     w = h.widget()
     dash = fresh_engine.dashboard()
-    updater = fresh_engine._monitor.updater
+    updater = fresh_engine.monitor.updater
     wait_until(lambda: h.status is RequestStatus.RUNNING, what="RUNNING")
     assert updater.running
     fresh_engine.shutdown()

@@ -55,6 +55,6 @@ def test_repr_shows_what_was_loaded(tiny_model: Path) -> None:
     with nb.Engine(str(tiny_model), **ENGINE_KW) as engine:
         plan = engine._core.runner.memory_plan
         assert repr(engine) == (f"Engine(model={str(tiny_model)!r}, dtype=float32, "
-                                f"max_model_len={engine._max_model_len}, alive, "
+                                f"max_model_len={engine.max_model_len}, alive, "
                                 f"memory: {plan.summary()})")
     assert repr(engine).endswith("dead)")

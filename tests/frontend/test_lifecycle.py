@@ -102,7 +102,7 @@ def test_shutdown_fails_live_requests_and_a_new_engine_works(tiny_model: Path) -
     with pytest.raises(nb.EngineDeadError):
         eng.generate("Once")
     assert h.status.name.startswith("FINISHED")
-    assert not eng._loop_thread.is_alive() and not eng._core_thread.is_alive()
+    assert not eng.loop_running and not eng._core_thread.is_alive()
     with nb.Engine(str(tiny_model), **ENGINE_KW) as eng2:
         r = eng2.generate("Once", nb.SamplingParams(max_tokens=4, ignore_eos=True)).result()
         assert len(r.outputs[0].token_ids) == 4

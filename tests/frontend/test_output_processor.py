@@ -12,6 +12,7 @@ from nbengine import RequestOutputKind as Kind
 from nbengine import RequestStatus as S
 from nbengine.core.messages import EngineCoreOutput, EngineCoreOutputs, StatusEvent
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
+from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.handles import RequestHandle
 from nbengine.frontend.output_processor import ChildState, LiveRequest, OutputProcessor
 from nbengine.model.tokenizer import Tokenizer
@@ -21,12 +22,19 @@ from nbengine.request import FinishReason
 from fe_util import byte_token_ids
 
 
+class _EventRecorder(EngineObserver):
+    def __init__(self, events: list) -> None:
+        self.on_event = events.append  # type: ignore[method-assign]
+
+
 class Harness:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.aborts: list[list[str]] = []
         self.events = []
-        self.proc = OutputProcessor(tok, self.aborts.append, self.events.append, lambda s: None)
+        observers = ObserverList()
+        observers.add(_EventRecorder(self.events))
+        self.proc = OutputProcessor(tok, self.aborts.append, observers)
 
     def add(self, rid: str, params: nb.SamplingParams, interval: int = 1) -> RequestHandle:
         h = RequestHandle(None, rid, params, None, [1, 2, 3], time.monotonic())  # type: ignore[arg-type]

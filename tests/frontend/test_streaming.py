@@ -8,6 +8,7 @@ import pytest
 
 import nbengine as nb
 from nbengine import RequestOutputKind as Kind
+from nbengine.frontend.observer import EngineObserver
 
 from fe_util import byte_token_ids
 
@@ -184,15 +185,23 @@ def test_generate_from_many_threads(engine: nb.Engine) -> None:
 
 def test_metrics_hooks_see_requests_tokens_events_and_steps(engine: nb.Engine) -> None:
     seen: dict[str, list] = {"req": [], "tok": []}
-    engine._on_request = lambda *a: seen["req"].append(a)  # type: ignore[method-assign]
-    engine._on_tokens = lambda *a: seen["tok"].append(a)  # type: ignore[method-assign]
+
+    class Recorder(EngineObserver):
+        def on_request(self, *a: object) -> None:
+            seen["req"].append(a)
+
+        def on_tokens(self, *a: object) -> None:
+            seen["tok"].append(a)
+
+    recorder = Recorder()
+    engine.add_observer(recorder)
     try:
         steps_before = len(engine.step_stats())
         h = engine.generate("Hi", nb.SamplingParams(n=2, max_tokens=3, ignore_eos=True),
                             request_id="hooks")
         h.result()
     finally:
-        del engine._on_request, engine._on_tokens
+        engine.remove_observer(recorder)
     keys = {a[0] for a in seen["req"]}
     assert len(keys) == 2 and all(a[1] == "hooks" for a in seen["req"])
     for key in keys:

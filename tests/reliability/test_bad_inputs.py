@@ -89,8 +89,8 @@ def test_invalid_sampling_params_raise_naming_the_field(
 
 
 def test_request_level_rejections_leave_no_state(engine: nb.Engine) -> None:
-    vocab = engine._vocab_size
-    max_len = engine._max_model_len
+    vocab = engine.vocab_size
+    max_len = engine.max_model_len
     cases: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
         # (prompt, generate kwargs, exception, message fragment)
         ("hi", {"request_id": 5}, TypeError, "request_id must be a string"),
@@ -131,7 +131,7 @@ def test_request_level_rejections_leave_no_state(engine: nb.Engine) -> None:
 def test_out_of_vocab_ids_in_params(engine: nb.Engine) -> None:
     """stop_token_ids beyond the vocabulary never match; logit_bias keys beyond it are
     refused at generate() (as vLLM does): a bias that can never apply is a mistake."""
-    vocab = engine._vocab_size
+    vocab = engine.vocab_size
     with pytest.raises(ValueError, match=r"logit_bias names token ids outside the model's vocabulary"):
         engine.generate("Once upon", SP(logit_bias={vocab + 7: 5.0}), request_id="lb")
     _works(engine, "lb")
@@ -390,7 +390,7 @@ def test_a_bad_request_reaching_the_core_fails_alone(engine: nb.Engine) -> None:
 def test_extreme_valid_params_sample_sensibly(engine: nb.Engine) -> None:
     """Values at the edge of float32 keep their meaning instead of turning the logits
     into NaN (which sampled the last vocabulary id)."""
-    vocab = engine._vocab_size
+    vocab = engine.vocab_size
     # 3e38 / 0.5 overflows float32: both biased tokens become the largest finite logit.
     forced = SP(max_tokens=6, temperature=0.5, seed=1, ignore_eos=True,
                 logit_bias={7: 3.0e38, 9: 3.0e38})

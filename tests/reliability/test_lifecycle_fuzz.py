@@ -135,7 +135,7 @@ class EngineLifecycle(RuleBasedStateMachine):
         handle = self.engine.generate(prompt, params, request_id=rid)
         rec = Rec(handle, handle.request_id, prompt, params, marker, long)
         # Done callbacks run on the loop thread; list.append is atomic.
-        handle._add_done_callback(rec.finals.append)
+        handle.add_done_callback(rec.finals.append)
         if register:
             self.recs.append(rec)
             if rid is not None:
