@@ -14,7 +14,6 @@ Threads:
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import itertools
@@ -26,11 +25,8 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import anyio.from_thread
 
 from nbengine.config import EngineConfig
 from nbengine.core.client import CoreClient, make_core_client
@@ -39,18 +35,16 @@ from nbengine.core.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     MessageType,
-    StepStats,
 )
-from nbengine.frontend.detokenizer import IncrementalDetokenizer
-from nbengine.frontend.events import LifecycleEvent
 from nbengine.frontend.handles import RequestHandle
 from nbengine.frontend.observer import EngineObserver, ObserverList
-from nbengine.frontend.waiter import make_async_waiter
 from nbengine.frontend.input_processor import InputProcessor, PreparedRequest
-from nbengine.frontend.output_processor import ChildState, LiveRequest, OutputProcessor
+from nbengine.frontend.loop_bridge import LoopBridge, client_callbacks, reap_engine
+from nbengine.frontend.output_processor import LiveRequest, OutputProcessor
+from nbengine.frontend.parallel_sampling import fan_out
 from nbengine.outputs import RequestMetrics, RequestOutput
 from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError
-from nbengine.sampling_params import SEED_MAX, SamplingParams
+from nbengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -66,8 +60,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_WAKE_S = 0.1
-_CORE_DEATH_GRACE_S = 2.0  # a dead core thread whose failure the loop has not delivered
 _SHUTDOWN_GRACE_S = 5.0  # a second shutdown() waits this much longer than the first may take
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -82,67 +74,6 @@ def _shutdown_all_engines() -> None:
 
 
 atexit.register(_shutdown_all_engines)
-
-
-def _client_callbacks(
-    engine_ref: weakref.ref[Engine],
-) -> tuple[Callable[[EngineCoreOutputs], None], Callable[[str | None], None],
-           Callable[[set[str], str], None], Callable[[str, int], None]]:
-    """``emit``, ``on_exit``, ``fail_keys`` and ``on_routed`` for the core client.
-
-    They hold the Engine only weakly: an engine that nobody references any more (its
-    notebook cell was re-executed) can be garbage-collected, and its finalizer
-    (``_reap_engine``) then stops the client's threads and frees the model.
-    """
-
-    def emit(outputs: EngineCoreOutputs) -> None:
-        engine = engine_ref()
-        if engine is not None:
-            engine._emit(outputs)
-
-    def on_exit(error: str | None) -> None:
-        engine = engine_ref()
-        if engine is not None:
-            engine._call_soon(engine._on_core_exit, error)
-
-    def fail(keys: set[str], message: str) -> None:
-        engine = engine_ref()
-        if engine is not None:
-            engine._call_soon(engine._fail_keys, keys, message)
-
-    def routed(key: str, replica: int) -> None:  # called on the loop thread
-        engine = engine_ref()
-        if engine is not None:
-            engine._on_routed(key, replica)
-
-    return emit, on_exit, fail, routed
-
-
-def _reap_engine(client: CoreClient, exit_stack: contextlib.ExitStack) -> None:
-    """Finalizer of an Engine garbage-collected without ``shutdown()``.
-
-    The GC may run it on any thread, the engine's own included, so the blocking part
-    (stop the core client, free the model, stop the loop) runs on a short-lived thread.
-    """
-
-    def reap() -> None:
-        try:
-            client.shutdown(10.0)
-            exit_stack.close()
-        except Exception:
-            logger.exception("reaping an unreferenced engine failed")
-
-    threading.Thread(target=reap, name="nbengine-reaper", daemon=True).start()
-
-
-def _child_seed(seed: int, index: int) -> int:
-    """The seed of completion ``index`` of an n>1 request: ``seed + index`` in 64 bits."""
-    child = seed + index
-    return child if child <= SEED_MAX else child - 2**64
-
-
-def _boxed(fn: Callable[..., T], *args: Any) -> tuple[T]:
-    return (fn(*args),)
 
 
 class Engine:
@@ -231,22 +162,21 @@ class Engine:
 
         self._exit_stack = contextlib.ExitStack()
         try:
-            self._portal = self._exit_stack.enter_context(
-                anyio.from_thread.start_blocking_portal("asyncio", name="nbengine-loop")
+            self._bridge = LoopBridge(
+                self._client, self._exit_stack,
+                closed=lambda: ref() is None or ref()._closed,  # type: ignore[union-attr]
+                dead_reason=lambda: None if ref() is None else ref()._dead,  # type: ignore[union-attr]
             )
-            self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
-            self._loop_thread: threading.Thread = self._portal.call(threading.current_thread)
         except BaseException:
             self._exit_stack.close()
             self._client.shutdown(10.0)
             raise
-        self._core_dead_since: float | None = None
-        self._client.start(*_client_callbacks(weakref.ref(self)))
+        self._client.start(*client_callbacks(ref))
         if backend == "inproc":
             self._core_thread: threading.Thread = self._client.thread  # type: ignore[attr-defined]
         _live_engines.add(self)
         # Unreferenced without shutdown() (a re-executed cell): stop the threads anyway.
-        self._finalizer = weakref.finalize(self, _reap_engine, self._client, self._exit_stack)
+        self._finalizer = weakref.finalize(self, reap_engine, self._client, self._exit_stack)
         self._finalizer.atexit = False  # at exit, _shutdown_all_engines does it
 
     # -------------------------------------------------------------- observers
@@ -271,13 +201,7 @@ class Engine:
 
     def _emit(self, outputs: EngineCoreOutputs) -> None:
         """Core thread: hand a batch to the loop without blocking."""
-        self._call_soon(self._process_outputs, outputs)
-
-    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed (shutdown)
-            logger.debug("engine loop closed; dropped %s", getattr(fn, "__name__", fn))
+        self._bridge.call_soon(self._process_outputs, outputs)
 
     # -------------------------------------------------------------- loop thread
 
@@ -324,9 +248,9 @@ class Engine:
         clean-up are held back and the first one is re-raised after it.
         """
         try:
-            return self._call_on_loop(self._register, prep)
+            return self._bridge.call(self._register, prep)
         except BaseException:
-            if threading.current_thread() is self._loop_thread:
+            if threading.current_thread() is self._bridge.thread:
                 raise
             self._withdraw(prep)
             raise
@@ -341,10 +265,10 @@ class Engine:
                 if not asked:
                     # Runs on the loop after the registration call (the portal is FIFO);
                     # idempotent, so an interrupt before `asked` is set just repeats it.
-                    fut = self._call_on_loop(self._withdraw_on_loop, prep)
+                    fut = self._bridge.call(self._withdraw_on_loop, prep)
                     asked = True
                 if fut is not None:
-                    self._wait_future(fut, None, f"withdrawal of {prep.request_id!r}")
+                    self._bridge.wait_future(fut, None, f"withdrawal of {prep.request_id!r}")
                 break
             except (KeyboardInterrupt, SystemExit) as exc:
                 deferred = deferred or exc  # finish the clean-up first
@@ -384,26 +308,7 @@ class Engine:
         handle = RequestHandle(
             self, request_id, params, prep.prompt, prep.prompt_token_ids, prep.arrival
         )
-        n = params.n
-        children: list[ChildState] = []
-        child_params: list[SamplingParams] = []
-        for i in range(n):
-            if n == 1:
-                key, cp = f"{request_id}#{incarnation}", params
-            else:
-                key = f"{request_id}#{incarnation}.{i}"
-                cp = params.replace(
-                    n=1,
-                    # Completion i draws from seed + i (wrapped into 64 bits).
-                    seed=None if params.seed is None else _child_seed(params.seed, i),
-                    # One copy of the prompt's logprobs: completion 0 computes them.
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-                )
-            child_params.append(cp)
-            children.append(
-                ChildState(key=key, index=i, params=cp,
-                           detok=IncrementalDetokenizer(self.tokenizer, cp, prep.prompt_token_ids))
-            )
+        children = fan_out(request_id, incarnation, params, self.tokenizer, prep.prompt_token_ids)
         live = LiveRequest(
             request_id=request_id,
             incarnation=incarnation,
@@ -417,14 +322,14 @@ class Engine:
         )
         self._processor.add(live)
         prep.handle = handle
-        for child, cp in zip(children, child_params):
+        for child in children:
             self._client.send(
                 EngineCoreMessage(
                     MessageType.ADD,
                     EngineCoreRequest(
                         request_id=child.key,
                         prompt_token_ids=list(prep.prompt_token_ids),
-                        sampling_params=cp,
+                        sampling_params=child.params,
                         arrival_time=prep.arrival,
                         priority=prep.priority,
                         eos_token_ids=self._eos_token_ids,
@@ -453,65 +358,18 @@ class Engine:
             return None
         return self._processor.request_abort(live)
 
-    # ----------------------------------------------------------- thread helpers
+    # ------------------------------------- RequestHandle's owner (handles.HandleOwner)
 
-    def _on_engine_thread(self) -> bool:
-        t = threading.current_thread()
-        return t is self._loop_thread or self._client.owns_thread(t)
-
-    def _call_on_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a short sync function on the loop thread and return its result."""
-        if threading.current_thread() is self._loop_thread:
-            return fn(*args)
-        if self._closed:
-            raise EngineDeadError(self._dead or "The engine has been shut down.")
-        try:
-            # Boxed: the portal would await an awaitable result (a RequestHandle is one).
-            return self._portal.call(_boxed, fn, *args)[0]
-        except RuntimeError as exc:
-            if not self._loop_thread.is_alive() or self._closed:
-                raise EngineDeadError(self._dead or "The engine has been shut down.") from exc
-            raise
+    def on_engine_thread(self) -> bool:
+        """True on one of this engine's own threads, where nothing may block."""
+        return self._bridge.on_engine_thread()
 
     def check_health(self) -> None:
         """Raise EngineDeadError if nothing will ever deliver outputs again: the loop
         thread is gone, or the core has been gone for a few seconds without its failure
         reaching the loop. A failed engine whose threads still run delivers that failure
         to every waiter itself. Waiting loops call this when they wake without news."""
-        if not self._loop_thread.is_alive():
-            raise EngineDeadError(self._dead or "The engine loop thread is gone.")
-        if self._client.is_alive():
-            self._core_dead_since = None
-            return
-        now = time.monotonic()
-        if self._core_dead_since is None:
-            self._core_dead_since = now
-        elif now - self._core_dead_since > _CORE_DEATH_GRACE_S:
-            raise EngineDeadError(self._dead or "The engine core thread is gone.")
-
-    def _wait_future(self, fut: Future[T], deadline: float | None, what: str) -> T:
-        while True:
-            if fut.done():
-                return fut.result()
-            wait = _WAKE_S
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"{what} was not confirmed in time; it completes later.")
-                wait = min(wait, remaining)
-            try:
-                return fut.result(timeout=wait)
-            except FutureTimeoutError:
-                self.check_health()
-
-    async def _await_future(self, fut: Future[T]) -> T:
-        while not fut.done():
-            wake, wait = make_async_waiter()
-            fut.add_done_callback(lambda _f: wake())
-            await wait(0.25)
-            if not fut.done():
-                self.check_health()
-        return fut.result()
+        self._bridge.check_health()
 
     # ------------------------------------------------------------- public API
 
@@ -623,16 +481,16 @@ class Engine:
         """
         ids, single = self._normalise_ids(request_ids)
         try:
-            futures = self._call_on_loop(self._start_aborts, ids)
+            futures = self._bridge.call(self._start_aborts, ids)
         except EngineDeadError:
             return None if single else [None] * len(ids)
-        if self._on_engine_thread():
+        if self.on_engine_thread():
             # Called from the loop itself (a hook): waiting would deadlock; report what is known.
             done = [f.result() if f is not None and f.done() else None for f in futures]
             return done[0] if single else done
         deadline = None if timeout is None else time.monotonic() + timeout
         results = [
-            None if f is None else self._wait_future(f, deadline, f"abort of {rid!r}")
+            None if f is None else self._bridge.wait_future(f, deadline, f"abort of {rid!r}")
             for rid, f in zip(ids, futures)
         ]
         return results[0] if single else results
@@ -643,7 +501,7 @@ class Engine:
         """``abort()`` for asyncio and trio callers: awaits the core's confirmation."""
         ids, single = self._normalise_ids(request_ids)
         try:
-            futures = self._call_on_loop(self._start_aborts, ids)
+            futures = self._bridge.call(self._start_aborts, ids)
         except EngineDeadError:
             return None if single else [None] * len(ids)
         results: list[RequestOutput | None] = []
@@ -651,7 +509,7 @@ class Engine:
             if f is None:
                 results.append(None)
             else:
-                out: RequestOutput = await self._await_future(f)
+                out: RequestOutput = await self._bridge.await_future(f)
                 results.append(out)
         return results[0] if single else results
 
@@ -673,7 +531,7 @@ class Engine:
                 return
             self._processor.request_abort(live)
 
-        self._call_soon(on_loop)
+        self._bridge.call_soon(on_loop)
 
     def abort_all_nowait(self) -> None:
         """Schedule an abort of every live request on the loop and return at once."""
@@ -685,7 +543,7 @@ class Engine:
                 if not live.finalized:
                     self._processor.request_abort(live)
 
-        self._call_soon(on_loop)
+        self._bridge.call_soon(on_loop)
 
     def _abort_future(self, handle: RequestHandle) -> Future[RequestOutput] | None:
         """Start aborting ``handle``'s request on the loop; None if there is nothing to
@@ -693,28 +551,31 @@ class Engine:
         if handle._final is not None:
             return None
         try:
-            return self._call_on_loop(self._start_abort_handle, handle)
+            return self._bridge.call(self._start_abort_handle, handle)
         except EngineDeadError:
             return None
 
-    def _abort_handle(self, handle: RequestHandle, timeout: float | None) -> RequestOutput | None:
-        if handle._final is None and self._on_engine_thread():
-            self._abort_handle_nowait(handle)  # never block the engine's own threads
+    def abort_handle(self, handle: RequestHandle, timeout: float | None) -> RequestOutput | None:
+        """``handle.cancel()``: abort its incarnation, wait for the confirmation."""
+        if handle._final is None and self.on_engine_thread():
+            self.abort_handle_nowait(handle)  # never block the engine's own threads
             return handle._final
         fut = self._abort_future(handle)
         if fut is not None:
             deadline = None if timeout is None else time.monotonic() + timeout
-            return self._wait_future(fut, deadline, f"cancel of {handle.request_id!r}")
+            return self._bridge.wait_future(fut, deadline, f"cancel of {handle.request_id!r}")
         return handle._final
 
-    def _abort_handle_nowait(self, handle: RequestHandle) -> None:
+    def abort_handle_nowait(self, handle: RequestHandle) -> None:
+        """``handle.cancel(wait=False)``: schedule the abort, return at once."""
         if handle._final is None and not self._closed:
-            self._call_soon(self._start_abort_handle, handle)
+            self._bridge.call_soon(self._start_abort_handle, handle)
 
-    async def _abort_handle_async(self, handle: RequestHandle) -> RequestOutput | None:
+    async def abort_handle_async(self, handle: RequestHandle) -> RequestOutput | None:
+        """``await handle.cancel_async()``."""
         fut = self._abort_future(handle)
         if fut is not None:
-            return await self._await_future(fut)
+            return await self._bridge.await_future(fut)
         return handle._final
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -760,8 +621,8 @@ class Engine:
     def loop_running(self) -> bool:
         """True while the engine's loop thread runs, or has yet to start (final outputs
         may still arrive)."""
-        thread = getattr(self, "_loop_thread", None)
-        return thread is None or thread.is_alive()
+        bridge = getattr(self, "_bridge", None)
+        return bridge is None or bridge.thread.is_alive()
 
     @property
     def vocab_size(self) -> int:
@@ -791,7 +652,7 @@ class Engine:
             first = not self._closed
             self._closed = True
         if not first:
-            if not self._on_engine_thread() and not self._shutdown_done.wait(
+            if not self.on_engine_thread() and not self._shutdown_done.wait(
                 timeout + _SHUTDOWN_GRACE_S
             ):
                 raise TimeoutError(
@@ -808,9 +669,9 @@ class Engine:
         _live_engines.discard(self)
         self._finalizer.detach()
         reason = "The engine has been shut down."
-        if self._loop_thread.is_alive():
+        if self._bridge.thread.is_alive():
             try:
-                self._portal.call(self._shutdown_on_loop, reason)
+                self._bridge.portal.call(self._shutdown_on_loop, reason)
             except Exception:
                 logger.exception("failing live requests at shutdown failed")
         left: str | None = None

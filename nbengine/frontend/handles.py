@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 
 from nbengine.frontend.waiter import make_async_waiter
@@ -31,10 +31,10 @@ from nbengine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from nbengine.dashboard.handle_widget import HandleWidget
-    from nbengine.frontend.engine import Engine
+    from nbengine.dashboard.monitor import EngineMonitor
     from nbengine.frontend.output_processor import LiveRequest
 
-__all__ = ["RequestHandle"]
+__all__ = ["HandleOwner", "RequestHandle"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,39 @@ def merge_outputs(pending: RequestOutput, new: RequestOutput, kind: RequestOutpu
     pending.error = new.error
 
 
+class HandleOwner(Protocol):
+    """What a handle needs from the engine that made it (``Engine`` is one).
+
+    Everything else reaches the handle from the loop thread: the output processor
+    writes its state and calls ``_deliver``.
+    """
+
+    @property
+    def monitor(self) -> EngineMonitor:
+        """The engine's metrics and widgets (``widget()`` asks it for one)."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if nothing will ever deliver this handle's outputs."""
+        ...
+
+    def on_engine_thread(self) -> bool:
+        """True on one of the engine's own threads, where nothing may block."""
+        ...
+
+    def abort_handle(self, handle: RequestHandle, timeout: float | None) -> RequestOutput | None:
+        """Abort ``handle``'s incarnation and wait for the core's confirmation."""
+        ...
+
+    def abort_handle_nowait(self, handle: RequestHandle) -> None:
+        """Schedule the abort of ``handle``'s incarnation; return at once."""
+        ...
+
+    async def abort_handle_async(self, handle: RequestHandle) -> RequestOutput | None:
+        """Abort ``handle``'s incarnation and await the core's confirmation."""
+        ...
+
+
 class RequestHandle:
     """A live view of one request: iterate it, wait for it, or cancel it.
 
@@ -83,7 +116,7 @@ class RequestHandle:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: HandleOwner,
         request_id: str,
         params: SamplingParams,
         prompt: str | None,
@@ -99,7 +132,7 @@ class RequestHandle:
         # not: widgets and IPython's Out[n] keep handles for the kernel's life, and they
         # would keep a re-created engine's predecessor, its threads and model with it.
         # So the strong reference is dropped when the final output arrives.
-        self._engine_strong: Engine | None = engine
+        self._engine_strong: HandleOwner | None = engine
         self._engine_weak = weakref.ref(engine) if engine is not None else None
         self._cond = threading.Condition(threading.Lock())
         self._pending: RequestOutput | None = None  # stream outputs not yet taken, merged
@@ -114,7 +147,7 @@ class RequestHandle:
         self._widget: HandleWidget | None = None  # created by widget(), one per handle
 
     @property
-    def _engine(self) -> Engine:
+    def _engine(self) -> HandleOwner:
         """The engine (EngineDeadError once a finished handle's engine is gone)."""
         engine = self._engine_strong
         if engine is None and self._engine_weak is not None:
@@ -381,18 +414,18 @@ class RequestHandle:
         if self._final is not None:
             return self._final
         if not wait:
-            self._engine._abort_handle_nowait(self)
+            self._engine.abort_handle_nowait(self)
             return self._final
-        return self._engine._abort_handle(self, timeout)
+        return self._engine.abort_handle(self, timeout)
 
     def _cancel_quietly(self, block: bool) -> None:
         if self._final is not None:
             return
         try:
-            if block and not self._engine._on_engine_thread():
-                self._engine._abort_handle(self, None)
+            if block and not self._engine.on_engine_thread():
+                self._engine.abort_handle(self, None)
             else:
-                self._engine._abort_handle_nowait(self)
+                self._engine.abort_handle_nowait(self)
         except Exception:  # the engine is gone: nothing left to cancel
             logger.debug("cancel of %r after early exit failed", self.request_id, exc_info=True)
 
@@ -459,7 +492,7 @@ class RequestHandle:
         """Abort this request and await the core's confirmation; return the final output."""
         if self._final is not None:
             return self._final
-        return await self._engine._abort_handle_async(self)
+        return await self._engine.abort_handle_async(self)
 
 
 class _AsyncStream:

@@ -106,7 +106,7 @@ def test_shutdown_fails_live_requests_and_a_new_engine_works(tiny_model: Path) -
     with nb.Engine(str(tiny_model), **ENGINE_KW) as eng2:
         r = eng2.generate("Once", nb.SamplingParams(max_tokens=4, ignore_eos=True)).result()
         assert len(r.outputs[0].token_ids) == 4
-        threads = [eng2._loop_thread, eng2._core_thread]
+        threads = [eng2._bridge.thread, eng2._core_thread]
     for t in threads:
         t.join(10)
         assert not t.is_alive()

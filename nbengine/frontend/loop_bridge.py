@@ -1,0 +1,196 @@
+"""The loop bridge: how other threads reach an engine's ``nbengine-loop`` thread.
+
+docs/architecture.md, "Threads": all frontend state lives on the loop thread, an anyio
+blocking portal (asyncio backend). ``LoopBridge`` owns that portal and every crossing
+onto it: a short sync call from a caller's thread (``call``), a fire-and-forget call
+from any thread (``call_soon``, what the core thread uses), and the waits for a
+future the loop resolves, sync (``wait_future``) and async on any asyncio or trio loop
+(``await_future``). Waits wake every fraction of a second to check that something is
+still alive to resolve them (``check_health``): nothing an engine thread does may hang
+a caller forever.
+
+``client_callbacks`` are the core client's hooks into an engine (core thread -> loop);
+``reap_engine`` is the finalizer of an engine dropped without ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio.from_thread
+
+from nbengine.core.client import CoreClient
+from nbengine.core.messages import EngineCoreOutputs
+from nbengine.frontend.waiter import make_async_waiter
+from nbengine.request import EngineDeadError
+
+if TYPE_CHECKING:
+    from nbengine.frontend.engine import Engine
+
+__all__ = ["LoopBridge", "client_callbacks", "reap_engine"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_WAKE_S = 0.1
+_CORE_DEATH_GRACE_S = 2.0  # a dead core thread whose failure the loop has not delivered
+
+
+def _boxed(fn: Callable[..., T], *args: Any) -> tuple[T]:
+    return (fn(*args),)
+
+
+class LoopBridge:
+    """The loop thread of one engine and the calls that cross onto it.
+
+    ``closed()`` and ``dead_reason()`` read the engine's state (whether it was shut down,
+    why it can no longer serve); they must not keep the engine alive.
+    """
+
+    def __init__(
+        self,
+        client: CoreClient,
+        exit_stack: contextlib.ExitStack,
+        closed: Callable[[], bool],
+        dead_reason: Callable[[], str | None],
+    ) -> None:
+        self._client = client
+        self._closed = closed
+        self._dead_reason = dead_reason
+        # Closed with the exit stack (Engine.shutdown, or the reaper).
+        self.portal = exit_stack.enter_context(
+            anyio.from_thread.start_blocking_portal("asyncio", name="nbengine-loop")
+        )
+        self.loop: asyncio.AbstractEventLoop = self.portal.call(asyncio.get_running_loop)
+        self.thread: threading.Thread = self.portal.call(threading.current_thread)
+        self._core_dead_since: float | None = None
+
+    def _dead_error(self, default: str) -> EngineDeadError:
+        return EngineDeadError(self._dead_reason() or default)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop soon; returns at once, from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed (shutdown)
+            logger.debug("engine loop closed; dropped %s", getattr(fn, "__name__", fn))
+
+    def on_engine_thread(self) -> bool:
+        """True on the loop thread or one of the core client's threads (never block there)."""
+        t = threading.current_thread()
+        return t is self.thread or self._client.owns_thread(t)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a short sync function on the loop thread and return its result."""
+        if threading.current_thread() is self.thread:
+            return fn(*args)
+        if self._closed():
+            raise self._dead_error("The engine has been shut down.")
+        try:
+            # Boxed: the portal would await an awaitable result (a RequestHandle is one).
+            return self.portal.call(_boxed, fn, *args)[0]
+        except RuntimeError as exc:
+            if not self.thread.is_alive() or self._closed():
+                raise self._dead_error("The engine has been shut down.") from exc
+            raise
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if nothing will ever wake a waiter (threads gone)."""
+        if not self.thread.is_alive():
+            raise self._dead_error("The engine loop thread is gone.")
+        if self._client.is_alive():
+            self._core_dead_since = None
+            return
+        now = time.monotonic()
+        if self._core_dead_since is None:
+            self._core_dead_since = now
+        elif now - self._core_dead_since > _CORE_DEATH_GRACE_S:
+            raise self._dead_error("The engine core thread is gone.")
+
+    def wait_future(self, fut: Future[T], deadline: float | None, what: str) -> T:
+        """Block until the loop resolves ``fut``; TimeoutError (naming ``what``) after
+        ``deadline`` (a ``time.monotonic()`` reading), EngineDeadError if nothing will."""
+        while True:
+            if fut.done():
+                return fut.result()
+            wait = _WAKE_S
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{what} was not confirmed in time; it completes later.")
+                wait = min(wait, remaining)
+            try:
+                return fut.result(timeout=wait)
+            except FutureTimeoutError:
+                self.check_health()
+
+    async def await_future(self, fut: Future[T]) -> T:
+        """``wait_future`` for a coroutine on any asyncio or trio loop."""
+        while not fut.done():
+            wake, wait = make_async_waiter()
+            fut.add_done_callback(lambda _f: wake())
+            await wait(0.25)
+            if not fut.done():
+                self.check_health()
+        return fut.result()
+
+
+def client_callbacks(
+    engine_ref: weakref.ref[Engine],
+) -> tuple[Callable[[EngineCoreOutputs], None], Callable[[str | None], None],
+           Callable[[set[str], str], None], Callable[[str, int], None]]:
+    """``emit``, ``on_exit``, ``fail_keys`` and ``on_routed`` for the core client.
+
+    They hold the Engine only weakly: an engine that nobody references any more (its
+    notebook cell was re-executed) can be garbage-collected, and its finalizer
+    (``reap_engine``) then stops the client's threads and frees the model.
+    """
+
+    def emit(outputs: EngineCoreOutputs) -> None:
+        engine = engine_ref()
+        if engine is not None:
+            engine._emit(outputs)
+
+    def on_exit(error: str | None) -> None:
+        engine = engine_ref()
+        if engine is not None:
+            engine._bridge.call_soon(engine._on_core_exit, error)
+
+    def fail(keys: set[str], message: str) -> None:
+        engine = engine_ref()
+        if engine is not None:
+            engine._bridge.call_soon(engine._fail_keys, keys, message)
+
+    def routed(key: str, replica: int) -> None:  # called on the loop thread
+        engine = engine_ref()
+        if engine is not None:
+            engine._on_routed(key, replica)
+
+    return emit, on_exit, fail, routed
+
+
+def reap_engine(client: CoreClient, exit_stack: contextlib.ExitStack) -> None:
+    """Finalizer of an Engine garbage-collected without ``shutdown()``.
+
+    The GC may run it on any thread, the engine's own included, so the blocking part
+    (stop the core client, free the model, stop the loop) runs on a short-lived thread.
+    """
+
+    def reap() -> None:
+        try:
+            client.shutdown(10.0)
+            exit_stack.close()
+        except Exception:
+            logger.exception("reaping an unreferenced engine failed")
+
+    threading.Thread(target=reap, name="nbengine-reaper", daemon=True).start()
