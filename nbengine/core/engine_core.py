@@ -33,7 +33,8 @@ from nbengine.core.messages import (
 )
 from nbengine.core.scheduler import Scheduler
 from nbengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from nbengine.request import FinishReason, Request, RequestStatus
+from nbengine.core.request import Request
+from nbengine.request import FinishReason, RequestStatus
 from nbengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

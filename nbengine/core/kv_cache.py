@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nbengine.request import Request
+from nbengine.core.request import Request
 
 BlockHash = bytes
 

@@ -26,7 +26,8 @@ from nbengine.core.kv_cache import KVCacheManager
 from nbengine.core.messages import EngineCoreOutput, StatusEvent
 from nbengine.core.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from nbengine.outputs import PositionLogprobs
-from nbengine.request import Request, RequestStatus
+from nbengine.core.request import Request
+from nbengine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 

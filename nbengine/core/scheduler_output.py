@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nbengine.outputs import PositionLogprobs
-from nbengine.request import Request
+from nbengine.core.request import Request
 
 
 @dataclass(slots=True)

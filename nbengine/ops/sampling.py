@@ -31,7 +31,7 @@ import torch
 from nbengine.ops import native
 
 from nbengine.outputs import Logprob, PositionLogprobs
-from nbengine.request import Request
+from nbengine.core.request import Request
 from nbengine.sampling_params import SamplingParams
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nbengine.core.kv_cache import KVCacheManager
-from nbengine.request import Request
+from nbengine.core.request import Request
 from nbengine.sampling_params import SamplingParams
 
 from .fake_runner import Collected, make_core, make_request, run_all

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nbengine.ops.sampling import Sampler
-from nbengine.request import Request
+from nbengine.core.request import Request
 from nbengine.sampling_params import SamplingParams
 
 V = 16
