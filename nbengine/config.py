@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nbengine.sampling_params import SEED_MAX, SEED_MIN
+from nbengine.validation import is_int, is_number
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -17,7 +18,7 @@ def _check_types(obj: object, ints: tuple[str, ...], bools: tuple[str, ...] = ()
     """TypeError naming the field for a wrong type (None allowed where the default is None)."""
     for name in ints:
         value = getattr(obj, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and not is_int(value):
             raise TypeError(f"{name} must be an int, got {value!r}.")
     for name in bools:
         value = getattr(obj, name)
@@ -25,7 +26,7 @@ def _check_types(obj: object, ints: tuple[str, ...], bools: tuple[str, ...] = ()
             raise TypeError(f"{name} must be True or False, got {value!r}.")
     for name in numbers:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise TypeError(f"{name} must be a number, got {value!r}.")
 
 
@@ -57,7 +58,7 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.seed is None:
             self.seed = secrets.randbits(63)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if not is_int(self.seed):
             raise TypeError(f"seed must be an int, got {self.seed!r}.")
         if not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}.")

@@ -12,6 +12,7 @@ from nbengine.frontend.engine import Engine
 from nbengine.frontend.handles import RequestHandle
 from nbengine.outputs import RequestOutput
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
+from nbengine.validation import is_int
 
 __all__ = ["LLM"]
 
@@ -23,7 +24,7 @@ def _is_token_ids(x: object) -> bool:
         isinstance(x, Sequence)
         and not isinstance(x, (str, bytes))
         and len(x) > 0
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        and all(is_int(t) for t in x)
     )
 
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbengine.validation import is_int, is_number
+
 _GREEDY_EPS = 1e-5
 
 MAX_N = 1024
@@ -204,14 +206,14 @@ def _normalise_stop(stop: str | list[str] | None) -> list[str]:
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r}.")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}.")
 
 
 def _check_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, got {value!r}.")
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite, got {value}.")

@@ -36,6 +36,7 @@ from nbengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nbengine.core.request import Request
 from nbengine.request import FinishReason, RequestStatus
 from nbengine.sampling_params import SamplingParams
+from nbengine.validation import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class EngineCore:
             raise ValueError(f"Request {rid!r} has an empty prompt; at least one token is needed.")
         vocab = self.runner.vocab_size
         for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            if not is_int(t) or not 0 <= t < vocab:
                 raise ValueError(
                     f"Request {rid!r}: prompt token id {t!r} is out of range for the "
                     f"model's vocabulary of {vocab} tokens."

@@ -32,6 +32,7 @@ from nbengine.distributed.ray_actor import ReplicaWorker, WireMessage
 from nbengine.distributed.router import Router
 from nbengine.core.client import CoreClient, EmitFn, ExitFn, FailKeysFn, RoutedFn
 from nbengine.request import EngineDeadError
+from nbengine.validation import is_int
 
 if TYPE_CHECKING:
     from nbengine.config import EngineConfig
@@ -75,7 +76,7 @@ class RayCoreClient(CoreClient):
         resources_per_replica: dict[str, Any] | None = None,
         routing: str = "prefix",
     ) -> None:
-        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
+        if not is_int(data_parallel_size):
             raise TypeError(f"data_parallel_size must be an int, got {data_parallel_size!r}.")
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")

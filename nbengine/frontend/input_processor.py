@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbengine.sampling_params import SamplingParams
+from nbengine.validation import is_int
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ class InputProcessor:
             # The engine keeps its own validated copy: whatever the caller does to the
             # object (or a list or dict inside it) later never reaches the request.
             sampling_params = sampling_params.clone()
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if not is_int(priority):
             raise TypeError(f"priority must be an int, got {priority!r}.")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(sampling_params, name)
@@ -102,7 +103,7 @@ class InputProcessor:
             if not ids:
                 raise ValueError("The prompt is empty; give at least one character or token.")
             for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int):
+                if not is_int(t):
                     raise TypeError(f"Prompt token ids must be ints, got {t!r}.")
                 if not 0 <= t < self.vocab_size:
                     raise ValueError(

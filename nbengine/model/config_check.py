@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nbengine.model.errors import ModelLoadError
+from nbengine.validation import is_int, is_number
 
 __all__ = ["check_hf_config", "check_inside"]
 
@@ -48,14 +49,13 @@ def check_hf_config(cfg: dict[str, Any], path: Path) -> None:
         value = cfg[name]
         if value is None and name in OPTIONAL_POSITIVE_INTS:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise _fail(cfg_file, name, value, "a positive integer")
     for name in POSITIVE_FLOATS:
         if name not in cfg:
             continue
         value = cfg[name]
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not math.isfinite(value) or value <= 0):
+        if not is_number(value) or not math.isfinite(value) or value <= 0:
             raise _fail(cfg_file, name, value, "a positive finite number")
     for name in BOOLS:
         if name in cfg and not isinstance(cfg[name], bool):

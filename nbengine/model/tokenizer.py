@@ -16,6 +16,7 @@ from typing import Any
 import tokenizers
 
 from nbengine.model.errors import ModelLoadError
+from nbengine.validation import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _as_id_list(value: object) -> list[int]:
     if isinstance(value, int):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+        return [v for v in value if is_int(v)]
     return []
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbengine.validation import is_int
+
 
 def layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> list[str]:
     """``"sliding_attention"`` or ``"full_attention"`` per layer."""
@@ -40,7 +42,7 @@ def layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> list[str]:
 def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
     """The attention window of each layer (None: full attention)."""
     window = cfg.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+    if not is_int(window) or window <= 0:
         return (None,) * num_layers
     # Qwen2/Qwen3/SmolLM3 configs carry a sliding_window they use only when told to.
     if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
