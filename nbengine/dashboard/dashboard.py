@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 
 from nbengine.dashboard.style import badge_html, format_seconds
+from nbengine.dashboard.traits import TraitWriter
 from nbengine.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -37,9 +38,6 @@ MAX_CHART_POINTS = 400
 
 _COLS = (("request", "150px"), ("status", "190px"), ("tokens", "70px"), ("TTFT", "80px"),
          ("age", "80px"), ("", "90px"))
-_UNSET: Any = object()
-
-
 def _cell(text: str, width: str, cls: str) -> widgets.HTML:
     w = widgets.HTML(text, layout=widgets.Layout(width=width))
     w.add_class(cls)
@@ -144,8 +142,7 @@ class DashboardView:
     def __init__(self, dash: Dashboard, monitor: EngineMonitor) -> None:
         self.dash = dash
         self.monitor = monitor
-        self.trait_writes = 0
-        self._shown: dict[tuple[int, str], Any] = {}
+        self._traits = TraitWriter()
         self._ticks = 0
         self._chart_version = -1
         self._model_label = ""  # " · <model> · <dtype>", kept fresh by _refresh_replicas
@@ -179,12 +176,12 @@ class DashboardView:
     # -------------------------------------------------------------- refresh
 
     def _set(self, w: widgets.Widget, name: str, value: Any) -> None:
-        k = (id(w), name)
-        if self._shown.get(k, _UNSET) == value:
-            return
-        self._shown[k] = value
-        setattr(w, name, value)
-        self.trait_writes += 1
+        self._traits.set(w, name, value)
+
+    @property
+    def trait_writes(self) -> int:
+        """Trait values actually changed (the coalescing tests read this)."""
+        return self._traits.writes
 
     def refresh(self) -> bool:
         """Show the current state. Never final by itself: the updater stops at shutdown."""
@@ -313,4 +310,4 @@ class DashboardView:
             fig.data[2].x, fig.data[2].y = sx, [st.num_running for st in sampled]
             fig.data[3].x, fig.data[3].y = sx, [st.num_waiting for st in sampled]
         fig.sync()  # a view rendered from now on starts from these data
-        self.trait_writes += 1
+        self._traits.writes += 1

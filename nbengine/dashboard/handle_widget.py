@@ -18,6 +18,7 @@ import ipywidgets as widgets
 from nbengine.dashboard.monitor import in_kernel as _in_kernel
 from nbengine.dashboard.stream_text import StreamingText
 from nbengine.dashboard.style import badge_html
+from nbengine.dashboard.traits import TraitWriter
 from nbengine.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -103,8 +104,7 @@ class HandleView:
         self.widget = widget
         self.updater = updater
         self.cancel_clicked = False
-        self.trait_writes = 0  # trait values actually changed (coalescing tests)
-        self._shown: dict[str, Any] = {}
+        self._traits = TraitWriter()
         widget.view = self
         widget.cancel_button.on_click(self._on_cancel)
 
@@ -127,12 +127,12 @@ class HandleView:
     # ----------------------------------------------------------------- refresh
 
     def _set(self, w: widgets.Widget, name: str, value: Any) -> None:
-        key = f"{id(w)}.{name}"
-        if self._shown.get(key, _UNSET) == value:
-            return
-        self._shown[key] = value
-        setattr(w, name, value)
-        self.trait_writes += 1
+        self._traits.set(w, name, value)
+
+    @property
+    def trait_writes(self) -> int:
+        """Trait values actually changed (the coalescing tests read this)."""
+        return self._traits.writes
 
     def refresh(self) -> bool:
         """Show the handle's current state; True once its final state is shown."""
@@ -164,9 +164,6 @@ class HandleView:
             self._set(w.cancel_button, "description", "Done")
             self._set(w.cancel_button, "button_style", "")
         return done
-
-
-_UNSET: Any = object()
 
 
 def make_handle_widget(handle: RequestHandle, updater: UIUpdater) -> HandleWidget:

@@ -143,3 +143,14 @@ def test_updater_stops_by_itself_once_its_engine_is_gone() -> None:
     assert view.widget.value == 11  # the last tick ran
     assert updater.stopped and updater.num_views == 0
     updater.stop()  # a later explicit stop is a no-op
+
+
+def test_trait_writer_writes_only_changed_values() -> None:
+    import ipywidgets as widgets
+
+    from nbengine.dashboard.traits import TraitWriter
+
+    label, traits = widgets.Label(), TraitWriter()
+    for value in ("a", "a", "b", "b", "a"):
+        traits.set(label, "value", value)
+    assert label.value == "a" and traits.writes == 3
