@@ -2,7 +2,8 @@
 
 ``MetricsLog`` records, in bounded memory:
 
-- every lifecycle transition of every request (a ring buffer of ``EventRecord``),
+- every lifecycle transition of every request (a ring buffer of the frontend's
+  ``LifecycleEvent``s, nbengine/frontend/events.py),
 - one ``RequestSummary`` per request incarnation (bounded too: when full, the oldest
   *finished* summaries are dropped first; live requests are always kept),
 - every engine step's ``StepStats`` (a ring buffer).
@@ -17,6 +18,7 @@ a short, non-blocking critical section, so a reader always sees a consistent sta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -36,7 +38,6 @@ __all__ = [
     "EVENT_COLUMNS",
     "REQUEST_COLUMNS",
     "STEP_COLUMNS",
-    "EventRecord",
     "MetricsLog",
     "RequestSummary",
 ]
@@ -87,20 +88,6 @@ STEP_COLUMNS: tuple[str, ...] = (
     "prefix_cache_hit_rate",
     "replica",
 )
-
-
-@dataclass(slots=True, frozen=True)
-class EventRecord:
-    """One lifecycle transition as stored in the log."""
-
-    request_id: str
-    key: str
-    from_status: RequestStatus | None
-    to_status: RequestStatus
-    time: float  # time.monotonic()
-    wall_time: float  # time.time()
-    num_output_tokens: int
-    step: int | None
 
 
 @dataclass(slots=True)
@@ -237,7 +224,7 @@ class MetricsLog:
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
         self._lock = threading.Lock()
-        self._events: deque[EventRecord] = deque(maxlen=max_events)
+        self._events: deque[LifecycleEvent] = deque(maxlen=max_events)
         self._steps: deque[StepStats] = deque(maxlen=max_steps)
         self._latest_by_replica: dict[int, StepStats] = {}
         self._requests: OrderedDict[str, RequestSummary] = OrderedDict()
@@ -268,16 +255,9 @@ class MetricsLog:
 
     def on_event(self, ev: LifecycleEvent) -> None:
         """Record one lifecycle transition and fold it into the request's summary."""
-        rec = EventRecord(
-            request_id=ev.request_id,
-            key=ev.key,
-            from_status=ev.from_status,
-            to_status=RequestStatus(ev.to_status),
-            time=ev.time,
-            wall_time=ev.wall_time,
-            num_output_tokens=ev.num_output_tokens,
-            step=ev.step,
-        )
+        rec = ev
+        if type(ev.to_status) is not RequestStatus:  # stored as the enum, whatever was given
+            rec = dataclasses.replace(ev, to_status=RequestStatus(ev.to_status))
         with self._lock:
             self._events.append(rec)
             self.total_events += 1
@@ -433,7 +413,7 @@ class MetricsLog:
         with self._lock:
             return dict(self._latest_by_replica)
 
-    def event_records(self) -> list[EventRecord]:
+    def event_records(self) -> list[LifecycleEvent]:
         """Every held event, oldest first."""
         with self._lock:
             return list(self._events)

@@ -19,7 +19,7 @@ from nbengine.request import RequestStatus
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
-    from nbengine.metrics import EventRecord
+    from nbengine.frontend.events import LifecycleEvent
 
 __all__ = ["plot_timeline", "timeline_segments"]
 
@@ -28,7 +28,7 @@ _TERMINAL_WIDTH_SHARE = 0.01
 
 
 def timeline_segments(
-    events: Sequence[EventRecord], now: float | None = None
+    events: Sequence[LifecycleEvent], now: float | None = None
 ) -> tuple[list[str], dict[RequestStatus, list[tuple[str, float, float]]], float]:
     """Split events into ``(label, start, duration)`` segments per status.
 
@@ -36,7 +36,7 @@ def timeline_segments(
     request's last status lasts until ``now`` (default: the current monotonic time).
     Labels are request ids; a reused id's later incarnations get `` (2)``, `` (3)``...
     """
-    by_key: dict[str, list[EventRecord]] = defaultdict(list)
+    by_key: dict[str, list[LifecycleEvent]] = defaultdict(list)
     order: list[str] = []
     for ev in events:
         if ev.key not in by_key:
@@ -75,7 +75,7 @@ _LEGEND_ROW_PX = 24  # one legend entry, with room to spare
 
 
 def plot_timeline(
-    events: Sequence[EventRecord], now: float | None = None, title: str = "Request timeline"
+    events: Sequence[LifecycleEvent], now: float | None = None, title: str = "Request timeline"
 ) -> go.Figure:
     """A Gantt chart of ``events`` (see the module docstring)."""
     import plotly.graph_objects as go

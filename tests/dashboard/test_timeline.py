@@ -7,12 +7,12 @@ import plotly.graph_objects as go
 import nbengine as nb
 from dashboard_helpers import long_params, wait_until
 from nbengine.dashboard.timeline import plot_timeline
-from nbengine.metrics import EventRecord
+from nbengine.frontend.events import LifecycleEvent
 from nbengine.request import RequestStatus as S
 
 
-def _rec(rid: str, key: str, prev: S | None, to: S, t: float) -> EventRecord:
-    return EventRecord(rid, key, prev, to, t, 1000 + t, 0, None)
+def _rec(rid: str, key: str, prev: S | None, to: S, t: float) -> LifecycleEvent:
+    return LifecycleEvent(rid, key, prev, to, t, 1000 + t, 0, None)
 
 
 def test_one_bar_series_per_status_present_in_lifecycle_order() -> None:
