@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nbengine.frontend.events import LifecycleEvent
+from nbengine.outputs import RequestTimings
 from nbengine.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ STEP_COLUMNS: tuple[str, ...] = (
 
 
 @dataclass(slots=True)
-class RequestSummary:
+class RequestSummary(RequestTimings):
     """Running totals for one incarnation of a request (keyed by its internal key).
 
     Invariants: ``itl_count``/``itl_sum`` cover every inter-token gap seen;
@@ -124,24 +125,6 @@ class RequestSummary:
     def finish_reason(self) -> str | None:
         reason = RequestStatus.get_finish_reason(self.status)
         return None if reason is None else str(reason)
-
-    @property
-    def ttft(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
-    def e2e_time(self) -> float | None:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
 
     @property
     def itl_mean(self) -> float | None:

@@ -36,9 +36,45 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+class RequestTimings:
+    """The durations derived from a request's clock readings, in seconds (None until
+    both readings are known): one derivation for ``RequestMetrics`` (what a user's output
+    carries) and the metrics log's per-request summary (``nbengine.metrics``)."""
+
+    __slots__ = ()
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first scheduled."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Arrival to first output token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    ttft = time_to_first_token
+
+    @property
+    def e2e_time(self) -> float | None:
+        """Arrival to the final status."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
 @dataclass(slots=True)
-class RequestMetrics:
-    """Timings of one request, in seconds on the monotonic clock (None until known)."""
+class RequestMetrics(RequestTimings):
+    """Clock readings of one request, in seconds on the monotonic clock (None until
+    known); the durations (``time_to_first_token``, ...) come from ``RequestTimings``."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -46,12 +82,6 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
 
 
 @dataclass(slots=True)
