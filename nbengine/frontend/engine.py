@@ -4,10 +4,10 @@ Threads:
 
 - the caller's thread(s): ``generate()`` validates there (``InputProcessor``), then
   registers the request on the loop with one short ``portal.call``;
-- ``nbengine-loop``: an anyio blocking portal (asyncio backend) that owns all frontend
-  state (the ``OutputProcessor`` registry, event hooks). Only this thread mutates it and
-  only this thread puts ADD/ABORT messages on the core queue, so the queue order always
-  matches the registry;
+- ``nbengine-loop``: an anyio blocking portal (asyncio backend; ``LoopBridge``) that
+  owns all frontend state (``RequestRegistry`` and its ``OutputProcessor``, the
+  observers). Only this thread mutates it and only this thread puts ADD/ABORT messages
+  on the core queue, so the queue order always matches the registry;
 - ``nbengine-core``: ``EngineCore.run_busy_loop``. Its ``emit`` hands each batch to the
   loop with ``loop.call_soon_threadsafe`` and never blocks.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -30,20 +29,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from nbengine.config import EngineConfig
 from nbengine.core.client import CoreClient, make_core_client
-from nbengine.core.messages import (
-    EngineCoreMessage,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    MessageType,
-)
+from nbengine.core.messages import EngineCoreMessage, EngineCoreOutputs
 from nbengine.frontend.handles import RequestHandle
 from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.input_processor import InputProcessor, PreparedRequest
 from nbengine.frontend.loop_bridge import LoopBridge, client_callbacks, reap_engine
-from nbengine.frontend.output_processor import LiveRequest, OutputProcessor
-from nbengine.frontend.parallel_sampling import fan_out
-from nbengine.outputs import RequestMetrics, RequestOutput
-from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError
+from nbengine.frontend.registry import RequestRegistry
+from nbengine.outputs import RequestOutput
+from nbengine.request import EngineDeadError
 from nbengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -136,7 +129,6 @@ class Engine:
         self._eos_token_ids = frozenset(self._client.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ())
         )
-        self._stream_interval = self.config.scheduler.stream_interval
 
         # Observers of the output processor (docs/architecture.md, "Seams"); the first is
         # the metrics log and widgets. The UI package is imported here, not at module level.
@@ -145,20 +137,15 @@ class Engine:
         self._observers = ObserverList()
         self.monitor: EngineMonitor = EngineMonitor(self)
         self._observers.add(self.monitor)
-        self._dead: str | None = None  # why the engine can no longer serve (loop thread writes)
+        # The loop thread's request state; it holds no reference to the engine, so
+        # dropping the last user reference frees the engine at once (no reference cycle).
+        self._registry = RequestRegistry(tokenizer, self._client, self._observers,
+                                         self._eos_token_ids, self.config.scheduler.stream_interval)
+        self._processor = self._registry.processor
         self._closed = False
         self._shutdown_lock = threading.Lock()
         self._shutdown_done = threading.Event()
-        self._incarnations = itertools.count(1)
-        self._auto_ids = itertools.count()
-        # The processor reaches the engine through a weak reference, so that dropping
-        # the last user reference frees the engine at once (no reference cycle).
         ref = weakref.ref(self)
-        self._processor = OutputProcessor(
-            tokenizer,
-            send_abort=lambda keys: ref()._send_abort(keys),  # type: ignore[union-attr]
-            observers=self._observers,
-        )
 
         self._exit_stack = contextlib.ExitStack()
         try:
@@ -201,42 +188,24 @@ class Engine:
 
     def _emit(self, outputs: EngineCoreOutputs) -> None:
         """Core thread: hand a batch to the loop without blocking."""
-        self._bridge.call_soon(self._process_outputs, outputs)
+        self._bridge.call_soon(self._registry.process, outputs)
 
-    # -------------------------------------------------------------- loop thread
-
-    def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
-        try:
-            if outputs.engine_error is not None:
-                self._dead = f"The engine core failed: {outputs.engine_error}"
-            self._processor.process(outputs)
-        except Exception as exc:
-            logger.exception("output processing failed")
-            self._die(f"Output processing failed: {type(exc).__name__}: {exc}")
+    @property
+    def _dead(self) -> str | None:
+        """Why the engine can no longer serve (the loop thread writes it)."""
+        return self._registry.dead
 
     def _on_core_exit(self, error: str | None) -> None:
+        """Loop thread: the core client's threads stopped."""
         if self._closed and error is None:
             return
-        self._die(f"The engine core stopped: {error or 'its loop exited'}")
-
-    def _die(self, message: str) -> None:
-        if self._dead is None:
-            self._dead = message
-        try:
-            self._processor.fail_all(self._dead)
-        finally:  # the core must stop even if failing the requests went wrong
-            self._client.send(EngineCoreMessage(MessageType.SHUTDOWN))
+        self._registry.die(f"The engine core stopped: {error or 'its loop exited'}")
 
     def _fail_keys(self, keys: set[str], message: str) -> None:
         """Loop thread: one replica is lost; fail only the requests it held."""
-        try:
-            self._processor.fail_requests(keys, message)
-        except Exception as exc:
-            logger.exception("failing the requests of a lost replica failed")
-            self._die(f"Output processing failed: {type(exc).__name__}: {exc}")
+        self._registry.fail_keys(keys, message)
 
-    def _send_abort(self, keys: list[str]) -> None:
-        self._client.send(EngineCoreMessage(MessageType.ABORT, list(keys)))
+    # ----------------------------------------------------------- caller threads
 
     def _submit(self, prep: PreparedRequest) -> RequestHandle:
         """Register ``prep`` on the loop and return its handle, atomically for the caller.
@@ -248,7 +217,7 @@ class Engine:
         clean-up are held back and the first one is re-raised after it.
         """
         try:
-            return self._bridge.call(self._register, prep)
+            return self._bridge.call(self._registry.register, prep, self)
         except BaseException:
             if threading.current_thread() is self._bridge.thread:
                 raise
@@ -265,7 +234,7 @@ class Engine:
                 if not asked:
                     # Runs on the loop after the registration call (the portal is FIFO);
                     # idempotent, so an interrupt before `asked` is set just repeats it.
-                    fut = self._bridge.call(self._withdraw_on_loop, prep)
+                    fut = self._bridge.call(self._registry.withdraw, prep)
                     asked = True
                 if fut is not None:
                     self._bridge.wait_future(fut, None, f"withdrawal of {prep.request_id!r}")
@@ -278,85 +247,12 @@ class Engine:
         if deferred is not None:
             raise deferred
 
-    def _withdraw_on_loop(self, prep: PreparedRequest) -> Future[RequestOutput] | None:
-        prep.withdrawn = True
-        handle = prep.handle
-        if handle is None:
-            return None
-        live = handle._live
-        if live is None or live.finalized:
-            return None
-        return self._processor.request_abort(live)
-
-    def _register(self, prep: PreparedRequest) -> RequestHandle:
-        if prep.withdrawn:
-            raise RuntimeError("the caller was interrupted before the request was registered")
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        requests = self._processor.requests
-        request_id = prep.request_id
-        if request_id is None:
-            request_id = str(next(self._auto_ids))
-            while request_id in requests:
-                request_id = str(next(self._auto_ids))
-        else:
-            live = requests.get(request_id)
-            if live is not None:
-                raise RequestIdInUseError(request_id, live.status)
-        incarnation = next(self._incarnations)
-        params = prep.params
-        handle = RequestHandle(
-            self, request_id, params, prep.prompt, prep.prompt_token_ids, prep.arrival
-        )
-        children = fan_out(request_id, incarnation, params, self.tokenizer, prep.prompt_token_ids)
-        live = LiveRequest(
-            request_id=request_id,
-            incarnation=incarnation,
-            handle=handle,
-            params=params,
-            prompt=prep.prompt,
-            prompt_token_ids=prep.prompt_token_ids,
-            children=children,
-            metrics=RequestMetrics(arrival_time=prep.arrival),
-            stream_interval=max(self._stream_interval, params.stream_interval),
-        )
-        self._processor.add(live)
-        prep.handle = handle
-        for child in children:
-            self._client.send(
-                EngineCoreMessage(
-                    MessageType.ADD,
-                    EngineCoreRequest(
-                        request_id=child.key,
-                        prompt_token_ids=list(prep.prompt_token_ids),
-                        sampling_params=child.params,
-                        arrival_time=prep.arrival,
-                        priority=prep.priority,
-                        eos_token_ids=self._eos_token_ids,
-                    ),
-                )
-            )
-        return handle
-
     def _run_on_core(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         """Run ``fn(core)`` on the core thread between steps (a UTILITY message).
 
         With ``backend="ray"`` it runs in replica 0's actor (``fn`` must pickle).
         """
         return self._client.run_utility(fn)
-
-    def _start_aborts(self, request_ids: list[str]) -> list[Future[RequestOutput] | None]:
-        futures: list[Future[RequestOutput] | None] = []
-        for rid in request_ids:
-            live = self._processor.requests.get(rid)
-            futures.append(None if live is None else self._processor.request_abort(live))
-        return futures
-
-    def _start_abort_handle(self, handle: RequestHandle) -> Future[RequestOutput] | None:
-        live = handle._live
-        if live is None or live.finalized:
-            return None
-        return self._processor.request_abort(live)
 
     # ------------------------------------- RequestHandle's owner (handles.HandleOwner)
 
@@ -481,7 +377,7 @@ class Engine:
         """
         ids, single = self._normalise_ids(request_ids)
         try:
-            futures = self._bridge.call(self._start_aborts, ids)
+            futures = self._bridge.call(self._registry.start_aborts, ids)
         except EngineDeadError:
             return None if single else [None] * len(ids)
         if self.on_engine_thread():
@@ -501,7 +397,7 @@ class Engine:
         """``abort()`` for asyncio and trio callers: awaits the core's confirmation."""
         ids, single = self._normalise_ids(request_ids)
         try:
-            futures = self._bridge.call(self._start_aborts, ids)
+            futures = self._bridge.call(self._registry.start_aborts, ids)
         except EngineDeadError:
             return None if single else [None] * len(ids)
         results: list[RequestOutput | None] = []
@@ -523,27 +419,14 @@ class Engine:
         if not self.is_alive:
             return
 
-        def on_loop() -> None:
-            live = self._processor.requests.get(request_id)
-            if live is None or live.finalized:
-                return
-            if key is not None and all(c.key != key for c in live.children):
-                return
-            self._processor.request_abort(live)
-
-        self._bridge.call_soon(on_loop)
+        self._bridge.call_soon(self._registry.abort_where, request_id, key)
 
     def abort_all_nowait(self) -> None:
         """Schedule an abort of every live request on the loop and return at once."""
         if not self.is_alive:
             return
 
-        def on_loop() -> None:
-            for live in list(self._processor.requests.values()):
-                if not live.finalized:
-                    self._processor.request_abort(live)
-
-        self._bridge.call_soon(on_loop)
+        self._bridge.call_soon(self._registry.abort_all)
 
     def _abort_future(self, handle: RequestHandle) -> Future[RequestOutput] | None:
         """Start aborting ``handle``'s request on the loop; None if there is nothing to
@@ -551,7 +434,7 @@ class Engine:
         if handle._final is not None:
             return None
         try:
-            return self._bridge.call(self._start_abort_handle, handle)
+            return self._bridge.call(self._registry.start_abort_handle, handle)
         except EngineDeadError:
             return None
 
@@ -569,7 +452,7 @@ class Engine:
     def abort_handle_nowait(self, handle: RequestHandle) -> None:
         """``handle.cancel(wait=False)``: schedule the abort, return at once."""
         if handle._final is None and not self._closed:
-            self._bridge.call_soon(self._start_abort_handle, handle)
+            self._bridge.call_soon(self._registry.start_abort_handle, handle)
 
     async def abort_handle_async(self, handle: RequestHandle) -> RequestOutput | None:
         """``await handle.cancel_async()``."""
@@ -671,7 +554,7 @@ class Engine:
         reason = "The engine has been shut down."
         if self._bridge.thread.is_alive():
             try:
-                self._bridge.portal.call(self._shutdown_on_loop, reason)
+                self._bridge.portal.call(self._registry.shut_down, reason)
             except Exception:
                 logger.exception("failing live requests at shutdown failed")
         left: str | None = None
@@ -699,11 +582,6 @@ class Engine:
         if self._closed:
             raise EngineDeadError(self._dead or "The engine has been shut down.")
         self._client.restart_replica(index)
-
-    def _shutdown_on_loop(self, reason: str) -> None:
-        if self._dead is None:
-            self._dead = reason
-        self._processor.fail_all(reason, FinishReason.ABORT)
 
     def __enter__(self) -> Engine:
         return self
