@@ -17,12 +17,14 @@ from nbengine.llm import LLM
 from nbengine.outputs import CompletionOutput, Logprob, RequestOutput
 from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
+from nbengine.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineDeadError",
     "FinishReason",
+    "GuidedDecodingParams",
     "LLM",
     "Logprob",
     "RequestHandle",
@@ -31,6 +33,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestStatus",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
 

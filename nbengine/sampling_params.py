@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbengine.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 MAX_N = 1024
@@ -78,6 +80,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int = 1
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older spelling of ``structured_outputs``; moved there by __post_init__.
+    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False,
+                                                            compare=False)
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -160,6 +166,16 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
             )
         _check_int("stream_interval", self.stream_interval, minimum=1)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("Set structured_outputs or its older spelling guided_decoding, "
+                                 "not both.")
+            self._set("structured_outputs", self.guided_decoding)
+            self._set("guided_decoding", None)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}.")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")

@@ -35,6 +35,7 @@ from nbengine.core.scheduler import Scheduler
 from nbengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nbengine.request import FinishReason, Request, RequestStatus
 from nbengine.sampling_params import SamplingParams
+from nbengine.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class EngineCore:
         self._pending_msgs: deque[EngineCoreMessage] = deque()
         self._mid_step_queue: queue.Queue[EngineCoreMessage] | None = None
         self._closed = False
+        self._grammars: GrammarCompiler | None = None
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -127,6 +129,9 @@ class EngineCore:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
         eos = request.eos_token_ids or self.runner.eos_token_ids
+        grammar = request.grammar
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self._grammar_compiler(eos).matcher(params.structured_outputs)
         req = Request(
             request_id=rid,
             prompt_token_ids=prompt,
@@ -135,8 +140,19 @@ class EngineCore:
             arrival_time=request.arrival_time,
             priority=request.priority,
             generator=generator,
+            grammar=grammar if params.structured_outputs is not None else None,
         )
         self.scheduler.add_request(req)
+
+    def _grammar_compiler(self, eos: Iterable[int]) -> GrammarCompiler:
+        """A core-side compiler, for requests that arrive without a matcher (a backend
+        that pickled the request); the in-process frontend always sends one."""
+        if self._grammars is None:
+            tokenizer = getattr(self.runner, "tokenizer", None)
+            if tokenizer is None:
+                raise ValueError("structured_outputs: this model runner has no tokenizer.")
+            self._grammars = GrammarCompiler(tokenizer, self.runner.vocab_size, list(eos))
+        return self._grammars
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Remove held requests as FINISHED_ABORTED; unknown or finished keys are a no-op."""

@@ -199,11 +199,11 @@ class Engine:
             self._core_queue: queue.Queue[EngineCoreMessage] = self._client.queue  # type: ignore[attr-defined]
         self._vocab_size = int(self._client.vocab_size)
         self._max_model_len = int(self._client.max_model_len)
-        self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len,
-                                      default_sampling_params(model_dir))
         self._eos_token_ids = frozenset(self._client.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ())
         )
+        self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len,
+                                      default_sampling_params(model_dir), self._eos_token_ids)
         self._stream_interval = self.config.scheduler.stream_interval
 
         # Metrics log and widgets; fed by the hooks below, on the loop thread.
@@ -424,7 +424,7 @@ class Engine:
         )
         self._processor.add(live)
         prep.handle = handle
-        for child, cp in zip(children, child_params):
+        for i, (child, cp) in enumerate(zip(children, child_params)):
             self._client.send(
                 EngineCoreMessage(
                     MessageType.ADD,
@@ -435,6 +435,7 @@ class Engine:
                         arrival_time=prep.arrival,
                         priority=prep.priority,
                         eos_token_ids=self._eos_token_ids,
+                        grammar=prep.grammars[i] if prep.grammars else None,
                     ),
                 )
             )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbengine.sampling_params import SamplingParams
+from nbengine.structured_outputs import GrammarCompiler, GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -31,6 +32,9 @@ class PreparedRequest:
     # the caller was interrupted first (then it must never be registered).
     handle: Any = None
     withdrawn: bool = False
+    # Structured outputs: one grammar matcher per completion (n), built on the caller's
+    # thread so that the engine core never compiles a grammar.
+    grammars: list[GrammarMatcher] | None = None
 
 
 class InputProcessor:
@@ -42,12 +46,22 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         default_params: SamplingParams | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # What a call without SamplingParams runs with (the model's generation_config).
         self.default_params = default_params if default_params is not None else SamplingParams()
+        self.eos_token_ids = list(eos_token_ids)
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler and cache of structured outputs (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def prepare(
         self,
@@ -118,7 +132,11 @@ class InputProcessor:
                 f"The prompt has {len(ids)} tokens, more than max_model_len="
                 f"{self.max_model_len}."
             )
-        return PreparedRequest(request_id, text, ids, sampling_params, priority)
+        prep = PreparedRequest(request_id, text, ids, sampling_params, priority)
+        spec = sampling_params.structured_outputs
+        if spec is not None:
+            prep.grammars = [self.grammars.matcher(spec) for _ in range(sampling_params.n)]
+        return prep
 
 
 def _check_encodable(what: str, text: str) -> None:

@@ -339,6 +339,7 @@ class OutputProcessor:
             out.finish_reason is FinishReason.STOP
             and (out.stop_reason is None or isinstance(out.stop_reason, int))
             and not child.params.include_stop_str_in_output
+            and not out.finished_by_grammar
         )
         stop = child.detok.update(ids, exclude_last_text=hide_last)
         if self._on_tokens is not None:

@@ -33,6 +33,7 @@ from nbengine.ops import native
 from nbengine.outputs import Logprob, PositionLogprobs
 from nbengine.request import Request
 from nbengine.sampling_params import SamplingParams
+from nbengine.structured_outputs import apply_bitmask, bitmask_words
 
 
 def _needs_processing(req: Request) -> bool:
@@ -243,10 +244,22 @@ class Sampler:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits.log_softmax(dim=-1)[want_lp] if want_lp else None
 
-        if all(p.greedy for p in params) and not any(_needs_processing(r) for r in requests):
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if (not constrained and all(p.greedy for p in params)
+                and not any(_needs_processing(r) for r in requests)):
             tokens = _argmax_rows(logits)  # fast path: no per-row work
         else:
-            x = _finite(apply_penalties_and_bias(logits.clone(), requests))
+            x = logits.clone()
+            if constrained:
+                # Structured outputs: only the tokens each row's grammar allows remain.
+                bitmask = torch.empty(len(constrained), bitmask_words(x.shape[1]),
+                                      dtype=torch.int32)
+                for j, i in enumerate(constrained):
+                    grammar = requests[i].grammar
+                    assert grammar is not None
+                    grammar.fill_bitmask(bitmask[j])
+                apply_bitmask(x, constrained, bitmask)
+            x = _finite(apply_penalties_and_bias(x, requests))
             tokens = x.argmax(dim=-1).tolist()
             rand = [i for i, p in enumerate(params) if not p.greedy]
             if rand:
