@@ -114,9 +114,14 @@ class StructuredOutputsParams:
         """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
+    def schema(self) -> Any:
+        """The JSON schema as a Python value (``json`` parsed when given as text)."""
+        return json.loads(self.json) if isinstance(self.json, str) else self.json
+
     def cache_key(self) -> str:
-        """A canonical text of the spec: equal specs share one compiled grammar."""
-        value = getattr(self, self.kind)
+        """A canonical text of the spec: equal specs share one compiled grammar (a schema
+        given as text and as a dict, in any key order, are the same spec)."""
+        value = self.schema() if self.kind == "json" else getattr(self, self.kind)
         return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
 
     def describe(self, width: int = 60) -> str:
@@ -150,7 +155,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     ws = {"whitespace_flexible": not spec.disable_any_whitespace}
     kind = spec.kind
     if kind == "json":
-        return matcher.grammar_from_json_schema(json.dumps(spec.json), defaults=ws)
+        return matcher.grammar_from_json_schema(json.dumps(spec.schema()), defaults=ws)
     if kind == "json_object":
         return matcher.grammar_from_json_schema('{"type": "object"}', defaults=ws)
     if kind == "regex":
