@@ -120,6 +120,7 @@ class Request:
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     grammar: GrammarMatcher | None = None  # structured outputs: the request's grammar state
     finished_by_grammar: bool = False  # its grammar matched and allows nothing more
+    error: str | None = None  # set when its own logits processor failed: it ends in error
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -330,8 +330,10 @@ class Scheduler:
                 if sampled.logprobs is not None:
                     out.new_logprobs = [sampled.logprobs]
                 status = self._check_stop(request)
+                if request.error is not None:  # its own logits processor failed
+                    status = RequestStatus.FINISHED_ERROR
                 if status is not None:
-                    self._remove(request, status, output=out)
+                    self._remove(request, status, error=request.error, output=out)
                     continue
             if out.new_token_ids or out.new_prompt_logprobs:
                 outputs.append(out)

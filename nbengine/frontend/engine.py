@@ -203,7 +203,8 @@ class Engine:
             getattr(tokenizer, "eos_token_ids", ())
         )
         self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len,
-                                      default_sampling_params(model_dir), self._eos_token_ids)
+                                      default_sampling_params(model_dir), self._eos_token_ids,
+                                      self.config.model.max_logprobs)
         self._stream_interval = self.config.scheduler.stream_interval
 
         # Metrics log and widgets; fed by the hooks below, on the loop thread.

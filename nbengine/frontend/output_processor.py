@@ -329,7 +329,8 @@ class OutputProcessor:
                 child.logprobs = []
                 child.cumulative_logprob = 0.0
             for tid, pos in zip(ids, out.new_logprobs):
-                self._fill_decoded(pos)
+                if child.params.detokenize:  # detokenize=False: decoded_token stays None
+                    self._fill_decoded(pos)
                 child.logprobs.append(pos)
                 chosen = pos.get(tid)
                 if chosen is not None and child.cumulative_logprob is not None:
