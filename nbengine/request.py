@@ -121,6 +121,7 @@ class Request:
     grammar: GrammarMatcher | None = None  # structured outputs: the request's grammar state
     finished_by_grammar: bool = False  # its grammar matched and allows nothing more
     error: str | None = None  # set when its own logits processor failed: it ends in error
+    cache_salt: str | None = None  # prefix-cache isolation: blocks shared only within a salt
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

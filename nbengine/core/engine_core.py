@@ -141,8 +141,14 @@ class EngineCore:
             priority=request.priority,
             generator=generator,
             grammar=grammar if params.structured_outputs is not None else None,
+            cache_salt=request.cache_salt,
         )
         self.scheduler.add_request(req)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry; False (nothing forgotten) while any request
+        holds KV blocks, as vLLM."""
+        return self.scheduler.kv.pool.reset_prefix_cache()
 
     def _grammar_compiler(self, eos: Iterable[int]) -> GrammarCompiler:
         """A core-side compiler, for requests that arrive without a matcher (a backend

@@ -37,6 +37,7 @@ class EngineCoreRequest:
     # Built by the frontend for ``sampling_params.structured_outputs`` (never compiled on
     # the core's thread); None there makes the core build one (a backend that pickles).
     grammar: GrammarMatcher | None = None
+    cache_salt: str | None = None  # vLLM's prefix-cache isolation between tenants
 
 
 class MessageType(enum.Enum):

@@ -437,6 +437,7 @@ class Engine:
                         priority=prep.priority,
                         eos_token_ids=self._eos_token_ids,
                         grammar=prep.grammars[i] if prep.grammars else None,
+                        cache_salt=prep.cache_salt,
                     ),
                 )
             )
@@ -672,6 +673,20 @@ class Engine:
     def num_unfinished_requests(self) -> int:
         """Number of live requests (user ids, not children)."""
         return len(self._processor.requests)
+
+    def reset_prefix_cache(self, timeout: float | None = 60.0) -> bool:
+        """Forget every prefix-cache entry (vLLM's name); runs between two core steps.
+
+        Returns False, forgetting nothing, while any request holds KV blocks (as vLLM).
+        With ``backend="ray"`` it resets replica 0 only.
+        """
+        if self._dead is not None or self._closed:
+            raise EngineDeadError(self._dead or "The engine has been shut down.")
+        from nbengine.core.engine_core import EngineCore
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fut = self._run_on_core(EngineCore.reset_prefix_cache)
+        return bool(self._wait_future(fut, deadline, "prefix-cache reset"))
 
     # ------------------------------------------------- metrics and widgets (any thread)
 

@@ -35,6 +35,7 @@ class PreparedRequest:
     # Structured outputs: one grammar matcher per completion (n), built on the caller's
     # thread so that the engine core never compiles a grammar.
     grammars: list[GrammarMatcher] | None = None
+    cache_salt: str | None = None  # from a prompt dict's "cache_salt"
 
 
 class InputProcessor:
@@ -137,7 +138,7 @@ class InputProcessor:
                     f"logit_bias names token ids outside the model's vocabulary "
                     f"(0..{self.vocab_size - 1}): {outside[:5]}."
                 )
-        prompt = _unwrap_prompt_dict(prompt)
+        prompt, cache_salt = _unwrap_prompt_dict(prompt)
         text: str | None
         if isinstance(prompt, str):
             if not prompt:
@@ -172,30 +173,35 @@ class InputProcessor:
                 f"The prompt has {len(ids)} tokens, more than max_model_len="
                 f"{self.max_model_len}."
             )
-        prep = PreparedRequest(request_id, text, ids, sampling_params, priority)
+        prep = PreparedRequest(request_id, text, ids, sampling_params, priority,
+                               cache_salt=cache_salt)
         spec = sampling_params.structured_outputs
         if spec is not None:
             prep.grammars = [self.grammars.matcher(spec) for _ in range(sampling_params.n)]
         return prep
 
 
-def _unwrap_prompt_dict(prompt: object) -> Any:
-    """vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
+def _unwrap_prompt_dict(prompt: object) -> tuple[Any, str | None]:
+    """vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, each
+    with an optional ``"cache_salt"``; returns the prompt and the salt."""
     if not isinstance(prompt, dict):
-        return prompt
-    keys = set(prompt)
+        return prompt, None
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise TypeError(f"cache_salt must be a non-empty string, got {salt!r}.")
+    keys = set(prompt) - {"cache_salt"}
     if keys == {"prompt"}:
         if not isinstance(prompt["prompt"], str):
             raise TypeError(f"prompt['prompt'] must be a str, got {prompt['prompt']!r}.")
-        return prompt["prompt"]
+        return prompt["prompt"], salt
     if keys == {"prompt_token_ids"}:
         ids = prompt["prompt_token_ids"]
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise TypeError("prompt['prompt_token_ids'] must be a list of ints.")
-        return list(ids)
+        return list(ids), salt
     raise ValueError(
-        "A prompt dict must have exactly one key, 'prompt' (text) or 'prompt_token_ids'; "
-        f"got {sorted(map(str, keys))}."
+        "A prompt dict must have one key 'prompt' (text) or 'prompt_token_ids' (and "
+        f"optionally 'cache_salt'); got {sorted(map(str, prompt))}."
     )
 
 

@@ -219,3 +219,29 @@ def test_out_of_vocab_allowed_token_ids_fail_at_generate(engine: nb.Engine) -> N
     with pytest.raises(ValueError, match="allowed_token_ids"):
         engine.generate("a", SamplingParams(allowed_token_ids=[10**6]))
     assert engine.num_unfinished_requests() == 0
+
+
+def test_reset_prefix_cache_and_cache_salt(tiny_model: Path) -> None:
+    ids = list(range(1, 70))  # four full blocks of 16
+    params = SamplingParams(max_tokens=1)
+    with nb.Engine(str(tiny_model), dtype="float32", **ENGINE_KW) as eng:
+        first = eng.generate(ids, params).result()
+        assert first.num_cached_tokens == 0
+        assert eng.generate(ids, params).result().num_cached_tokens == 64
+        # Another tenant's salt shares nothing; the same salt shares its own blocks.
+        salted = {"prompt_token_ids": ids, "cache_salt": "tenant-a"}
+        assert eng.generate(salted, params).result().num_cached_tokens == 0
+        assert eng.generate(salted, params).result().num_cached_tokens == 64
+        other = {"prompt_token_ids": ids, "cache_salt": "tenant-b"}
+        assert eng.generate(other, params).result().num_cached_tokens == 0
+        assert eng.reset_prefix_cache() is True
+        assert eng.generate(ids, params).result().num_cached_tokens == 0
+        # While a request holds blocks the reset is refused and forgets nothing.
+        h = eng.generate(ids, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        stream = iter(h)  # kept: a dropped stream aborts its request
+        next(stream)
+        assert eng.reset_prefix_cache() is False
+        h.cancel()
+        assert eng.generate(ids, params).result().num_cached_tokens == 64
+        with pytest.raises(TypeError, match="cache_salt"):
+            eng.generate({"prompt": "a", "cache_salt": 3})
