@@ -11,6 +11,7 @@ import sys as _sys
 if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from nbengine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nbengine.frontend.engine import Engine
 from nbengine.frontend.handles import RequestHandle
 from nbengine.llm import LLM
@@ -20,6 +21,9 @@ from nbengine.sampling_params import RequestOutputKind, SamplingParams
 from nbengine.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "Engine",
     "EngineDeadError",
