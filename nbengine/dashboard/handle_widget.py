@@ -17,7 +17,7 @@ import ipywidgets as widgets
 
 from nbengine.dashboard.monitor import in_kernel as _in_kernel
 from nbengine.dashboard.stream_text import StreamingText
-from nbengine.dashboard.style import badge_html
+from nbengine.dashboard.style import badge_html, constraint_tag_html
 from nbengine.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -59,12 +59,14 @@ class HandleWidget(widgets.VBox):
     and ``text`` are the parts; ``view`` keeps them up to date.
     """
 
-    def __init__(self, request_id: str, **kwargs: Any) -> None:
+    def __init__(self, request_id: str, constraint: str | None = None, **kwargs: Any) -> None:
         self.request_id = request_id
+        self.constraint = constraint  # structured outputs: shown as a tag after the id
         self.badge = widgets.HTML(badge_html(RequestStatus.QUEUED))
         self.badge.add_class("nbengine-badge")
         self.title = widgets.HTML(
             f'<b style="font-family:monospace">{html.escape(request_id)}</b>'
+            + constraint_tag_html(constraint)
         )
         self.stats = widgets.HTML(_stats_html(0, None))
         self.cancel_button = widgets.Button(
@@ -169,9 +171,14 @@ class HandleView:
 _UNSET: Any = object()
 
 
+def _constraint(handle: RequestHandle) -> str | None:
+    spec = handle.sampling_params.structured_outputs
+    return None if spec is None else spec.describe()
+
+
 def make_handle_widget(handle: RequestHandle, updater: UIUpdater) -> HandleWidget:
     """Create (on the caller's thread) the widget of ``handle`` and register its view."""
-    widget = HandleWidget(handle.request_id)
+    widget = HandleWidget(handle.request_id, _constraint(handle))
     view = HandleView(handle, widget, updater)
     with updater.lock:
         done = view.refresh()  # the current state at once, before the first tick
@@ -191,7 +198,7 @@ def final_handle_widget(handle: RequestHandle) -> HandleWidget:
     """The widget of a finished handle whose engine is gone: its final state, no updates."""
     widget = getattr(handle, "_widget", None)
     if widget is None:
-        widget = HandleWidget(handle.request_id)
+        widget = HandleWidget(handle.request_id, _constraint(handle))
         view = HandleView(handle, widget, cast("UIUpdater", _NoUpdates()))
         view.refresh()
         handle._widget = widget  # type: ignore[attr-defined]

@@ -425,6 +425,10 @@ class Engine:
         )
         self._processor.add(live)
         prep.handle = handle
+        if params.structured_outputs is not None:  # the dashboard marks constrained requests
+            for child in children:
+                self._monitor.metrics.on_constraint(child.key, request_id,
+                                                    params.structured_outputs.describe())
         for i, (child, cp) in enumerate(zip(children, child_params)):
             self._client.send(
                 EngineCoreMessage(
