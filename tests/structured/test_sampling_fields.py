@@ -24,6 +24,7 @@ import torch
 
 import nbengine as nb
 from nbengine import SamplingParams
+from nbengine.testing import make_tiny_model
 
 from conftest import ENGINE_KW
 
@@ -245,3 +246,27 @@ def test_reset_prefix_cache_and_cache_salt(tiny_model: Path) -> None:
         assert eng.generate(ids, params).result().num_cached_tokens == 64
         with pytest.raises(TypeError, match="cache_salt"):
             eng.generate({"prompt": "a", "cache_salt": 3})
+
+
+@pytest.mark.parametrize("arch, special", [("llama", "</s>"), ("gpt2", "<|endoftext|>"),
+                                           ("qwen2", "<|im_start|>")])
+def test_skip_special_tokens_for_every_tokenizer_family(
+        tmp_path: Path, arch: str, special: str) -> None:
+    model = make_tiny_model(tmp_path / arch, arch=arch)
+    with nb.Engine(str(model), dtype="float32", **ENGINE_KW) as eng:
+        sid = eng.tokenizer.backend.token_to_id(special)
+        word = eng.tokenizer.encode("the", add_special_tokens=False)[0]
+        forced = [word, sid, word]
+
+        def force(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            out = torch.full_like(logits, float("-inf"))
+            out[forced[len(output_ids)]] = 0.0
+            return out
+
+        base = dict(max_tokens=3, ignore_eos=True, logits_processors=[force])
+        shown = _gen(eng, "a", skip_special_tokens=False, **base)
+        hidden = _gen(eng, "a", skip_special_tokens=True, **base)
+        assert shown.token_ids == hidden.token_ids == forced
+        assert special in shown.text
+        assert special not in hidden.text
+        assert hidden.text and shown.text.replace(special, "").strip() == hidden.text.strip()
