@@ -125,6 +125,14 @@ class EngineCore:
                 f"Request {rid!r}: logit_bias names token ids outside the model's vocabulary "
                 f"of {vocab} tokens."
             )
+        for name in ("allowed_token_ids", "bad_words_token_ids"):
+            ids = getattr(params, name) or []
+            flat = [t for x in ids for t in (x if isinstance(x, list) else [x])]
+            if flat and max(flat) >= vocab:
+                raise ValueError(
+                    f"Request {rid!r}: {name} names token ids outside the model's "
+                    f"vocabulary of {vocab} tokens."
+                )
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
