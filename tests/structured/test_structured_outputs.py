@@ -184,3 +184,18 @@ def test_sampling_params_field_checks() -> None:
         SamplingParams(structured_outputs=spec, guided_decoding=spec)
     # replace/clone keep the constraint.
     assert SamplingParams(structured_outputs=spec).replace(seed=1).structured_outputs == spec
+
+
+def test_a_token_the_grammar_rejects_ends_the_request_in_error(engine: nb.Engine) -> None:
+    import torch
+
+    def unmask(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(logits, float("-inf"))
+        out[engine.tokenizer.encode("Z", add_special_tokens=False)[0]] = 0.0
+        return out  # overrides the grammar's mask: a token no choice starts with
+
+    params = SamplingParams(max_tokens=5, logits_processors=[unmask],
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = engine.generate("x", params).result()
+    assert out.outputs[0].finish_reason == "error"
+    assert engine.generate("x", SamplingParams(max_tokens=2)).result().finished
