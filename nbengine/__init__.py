@@ -11,18 +11,24 @@ import sys as _sys
 if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from nbengine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nbengine.frontend.engine import Engine
 from nbengine.frontend.handles import RequestHandle
 from nbengine.llm import LLM
 from nbengine.outputs import CompletionOutput, Logprob, RequestOutput
 from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
+from nbengine.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "Engine",
     "EngineDeadError",
     "FinishReason",
+    "GuidedDecodingParams",
     "LLM",
     "Logprob",
     "RequestHandle",
@@ -31,6 +37,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestStatus",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
 

@@ -30,6 +30,13 @@ def _check_types(obj: object, ints: tuple[str, ...], bools: tuple[str, ...] = ()
             raise TypeError(f"{name} must be a number, got {value!r}.")
 
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+"""What ``logprobs`` report (vLLM's ``logprobs_mode``): the model's log-softmax or logits
+("raw_"), or those after the request's logits processing ("processed_": structured-output
+mask, allowed_token_ids, bad_words, logits processors, min_tokens, logit_bias, penalties
+and temperature; docs/api.md)."""
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Which model to load and how.
@@ -49,9 +56,19 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int | None = None
     revision: str | None = None
+    # vLLM's names: the most logprobs a request may ask for (-1: no bound; a request's
+    # logprobs=-1 means the whole vocabulary), and what the returned logprobs are.
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
-        _check_types(self, ints=("max_model_len",))
+        _check_types(self, ints=("max_model_len", "max_logprobs"))
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no bound) or at least 0, got "
+                             f"{self.max_logprobs}.")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got "
+                             f"{self.logprobs_mode!r}.")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:

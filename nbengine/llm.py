@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nbengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nbengine.frontend.engine import Engine
 from nbengine.frontend.handles import RequestHandle
 from nbengine.outputs import RequestOutput
@@ -16,7 +17,7 @@ from nbengine.validation import is_int
 
 __all__ = ["LLM"]
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]  # dicts: {"prompt"|"prompt_token_ids": ...}
 
 
 def _is_token_ids(x: object) -> bool:
@@ -53,7 +54,7 @@ class LLM:
         output tokens/s (``use_tqdm=False`` turns it off). KeyboardInterrupt aborts the
         unfinished requests and re-raises.
         """
-        if isinstance(prompts, str) or _is_token_ids(prompts):
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         elif isinstance(prompts, Sequence):
             prompt_list = list(prompts)
@@ -146,6 +147,15 @@ class LLM:
         finally:
             bar.close()
         return [h.result() for h in handles]
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` sequences of each
+        prompt (text, token ids or a prompt dict), best first (nbengine/beam_search.py)."""
+        return beam_search(self.engine, prompts, params)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (``Engine.reset_prefix_cache``)."""
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine and free the model; idempotent."""

@@ -116,6 +116,7 @@ class RequestSummary(RequestTimings):
     itl_sum: float = 0.0
     itl_recent: deque[float] = field(default_factory=deque)
     replica: int | None = None  # the engine core that served it (backend="ray"); None in-process
+    constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
 
     @property
     def finished(self) -> bool:
@@ -160,6 +161,7 @@ class RequestRow:
     arrival_time: float
     finished_time: float | None
     replica: int | None = None
+    constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
 
 
 def _row(s: RequestSummary) -> RequestRow:
@@ -180,6 +182,7 @@ def _row(s: RequestSummary) -> RequestRow:
         arrival_time=s.arrival_time,
         finished_time=s.finished_time,
         replica=s.replica,
+        constraint=s.constraint,
     )
 
 
@@ -309,6 +312,13 @@ class MetricsLog:
                 self.total_output_tokens += num_output_tokens - s.output_tokens
                 s.output_tokens = num_output_tokens
         self._version += 1
+
+    def on_constraint(self, key: str, request_id: str, constraint: str) -> None:
+        """``key`` runs under a structured-output constraint (its short description)."""
+        with self._lock:
+            s = self._summary(key, request_id, time.monotonic())
+            s.constraint = constraint
+            self._version += 1
 
     def on_replica(self, key: str, replica: int) -> None:
         """``key`` was placed on engine core ``replica`` (multi-replica backends)."""

@@ -18,10 +18,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbengine.structured_outputs import StructuredOutputsParams
 from nbengine.validation import is_int, is_number
 
 _GREEDY_EPS = 1e-5
@@ -35,6 +37,13 @@ SEED_MAX = 2**64 - 1
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+LogitsProcessor = Callable[..., Any]
+"""A per-request logits processor, vLLM's classic signature:
+``fn(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor`` or
+``fn(prompt_token_ids, output_token_ids, logits) -> torch.Tensor``; ``logits`` is the
+row of one request (float32, ``[vocab]``)."""
 
 
 class RequestOutputKind(enum.Enum):
@@ -80,6 +89,19 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int = 1
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None
+    logits_processors: list[LogitsProcessor] | None = None
+    # The token sequences ``bad_words`` bans; filled in by the engine from its tokenizer.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # vLLM's older spelling of ``structured_outputs``; moved there by __post_init__.
+    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False,
+                                                            compare=False)
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -141,10 +163,10 @@ class SamplingParams:
                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
             )
         _check_float32("repetition_penalty", self.repetition_penalty)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
+        if self.logprobs is not None:  # -1: the whole vocabulary (bounded by max_logprobs)
+            _check_int("logprobs", self.logprobs, minimum=-1)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=-1)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError("logit_bias must be a dict mapping token ids to floats.")
@@ -162,9 +184,75 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
             )
         _check_int("stream_interval", self.stream_interval, minimum=1)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("Set structured_outputs or its older spelling guided_decoding, "
+                                 "not both.")
+            self._set("structured_outputs", self.guided_decoding)
+            self._set("guided_decoding", None)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}.")
+        self._check_vllm_fields()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "detokenize", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+
+    def _check_vllm_fields(self) -> None:
+        """bad_words, allowed_token_ids, truncate_prompt_tokens, extra_args,
+        logits_processors (docs/api.md, "SamplingParams")."""
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, (str, bytes)) or not isinstance(self.bad_words, Sequence):
+                raise TypeError("bad_words must be a list of strings.")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    raise TypeError(f"bad_words must hold non-blank strings, got {w!r}.")
+            self._set("bad_words", list(self.bad_words))
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, Sequence):
+                raise TypeError("bad_words_token_ids must be a list of lists of token ids.")
+            seqs = []
+            for seq in self.bad_words_token_ids:
+                if not isinstance(seq, Sequence) or not seq:
+                    raise TypeError("bad_words_token_ids must hold non-empty lists of token ids.")
+                for t in seq:
+                    _check_int("bad_words_token_ids", t, minimum=0)
+                seqs.append(list(seq))
+            self._set("bad_words_token_ids", seqs)
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not isinstance(
+                    self.allowed_token_ids, Sequence):
+                raise TypeError("allowed_token_ids must be a list of ints.")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (no token could be chosen).")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, minimum=0)
+            self._set("allowed_token_ids", list(self.allowed_token_ids))
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError("truncate_prompt_tokens must be at least 1, or -1 (keep the last "
+                                 f"max_model_len tokens), got {self.truncate_prompt_tokens}.")
+        if not isinstance(self.detokenize, bool):
+            raise TypeError(f"detokenize must be True or False, got {self.detokenize!r}.")
+        if not self.detokenize and self.stop_strings:
+            raise ValueError("stop strings need detokenize=True (they are matched on the text).")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise TypeError("extra_args must be a dict with string keys.")
+            for k in self.extra_args:
+                if not isinstance(k, str):
+                    raise TypeError(f"extra_args keys must be strings, got {k!r}.")
+        if self.logits_processors is not None:
+            if not isinstance(self.logits_processors, Sequence):
+                raise TypeError("logits_processors must be a list of callables.")
+            for fn in self.logits_processors:
+                if not callable(fn):
+                    raise TypeError(f"logits_processors must hold callables, got {fn!r}.")
+                _check_processor_arity(fn)
+            self._set("logits_processors", list(self.logits_processors))
 
     @property
     def greedy(self) -> bool:
@@ -180,7 +268,9 @@ class SamplingParams:
 
         Lists and dicts are copied too, so the copy shares nothing mutable with ``self``.
         """
-        values = {f.name: copy.deepcopy(getattr(self, f.name))
+        # Logits processors are kept by reference (a callable may hold a model or a lock).
+        values = {f.name: (list(getattr(self, f.name) or []) or None
+                           if f.name == "logits_processors" else copy.deepcopy(getattr(self, f.name)))
                   for f in dataclasses.fields(self) if f.init}
         values.update(changes)
         return SamplingParams(**values)
@@ -188,6 +278,31 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A validated deep copy (vLLM's name); ``Engine.generate`` keeps one of these."""
         return self.replace()
+
+
+def processor_arity(fn: LogitsProcessor) -> int:
+    """2 for ``fn(output_ids, logits)``, 3 for ``fn(prompt_ids, output_ids, logits)``."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # a builtin without a signature: the classic form
+        return 2
+    return 3 if len(params) == 3 else 2
+
+
+def _check_processor_arity(fn: LogitsProcessor) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values())
+    if not varargs and len(positional) not in (2, 3):
+        raise TypeError(
+            "logits_processors must take (output_token_ids, logits) or (prompt_token_ids, "
+            f"output_token_ids, logits); {fn!r} takes {len(positional)} positional arguments."
+        )
 
 
 def _normalise_stop(stop: str | list[str] | None) -> list[str]:

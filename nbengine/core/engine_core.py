@@ -36,6 +36,7 @@ from nbengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nbengine.core.request import Request
 from nbengine.request import FinishReason, RequestStatus
 from nbengine.sampling_params import SamplingParams
+from nbengine.structured_outputs import GrammarCompiler
 from nbengine.validation import is_int
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class EngineCore:
         self._pending_msgs: deque[EngineCoreMessage] = deque()
         self._mid_step_queue: queue.Queue[EngineCoreMessage] | None = None
         self._closed = False
+        self._grammars: GrammarCompiler | None = None
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -125,10 +127,21 @@ class EngineCore:
                 f"Request {rid!r}: logit_bias names token ids outside the model's vocabulary "
                 f"of {vocab} tokens."
             )
+        for name in ("allowed_token_ids", "bad_words_token_ids"):
+            ids = getattr(params, name) or []
+            flat = [t for x in ids for t in (x if isinstance(x, list) else [x])]
+            if flat and max(flat) >= vocab:
+                raise ValueError(
+                    f"Request {rid!r}: {name} names token ids outside the model's "
+                    f"vocabulary of {vocab} tokens."
+                )
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
         eos = request.eos_token_ids or self.runner.eos_token_ids
+        grammar = request.grammar
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self._grammar_compiler(eos).matcher(params.structured_outputs)
         req = Request(
             request_id=rid,
             prompt_token_ids=prompt,
@@ -137,8 +150,25 @@ class EngineCore:
             arrival_time=request.arrival_time,
             priority=request.priority,
             generator=generator,
+            grammar=grammar if params.structured_outputs is not None else None,
+            cache_salt=request.cache_salt,
         )
         self.scheduler.add_request(req)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry; False (nothing forgotten) while any request
+        holds KV blocks, as vLLM."""
+        return self.scheduler.kv.pool.reset_prefix_cache()
+
+    def _grammar_compiler(self, eos: Iterable[int]) -> GrammarCompiler:
+        """A core-side compiler, for requests that arrive without a matcher (a backend
+        that pickled the request); the in-process frontend always sends one."""
+        if self._grammars is None:
+            tokenizer = getattr(self.runner, "tokenizer", None)
+            if tokenizer is None:
+                raise ValueError("structured_outputs: this model runner has no tokenizer.")
+            self._grammars = GrammarCompiler(tokenizer, self.runner.vocab_size, list(eos))
+        return self._grammars
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Remove held requests as FINISHED_ABORTED; unknown or finished keys are a no-op."""

@@ -50,6 +50,13 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return h.digest()
 
 
+def salt_root(cache_salt: str | None) -> BlockHash | None:
+    """The parent hash of a request's first block: None (the shared root) without a salt."""
+    if cache_salt is None:
+        return None
+    return b"\x00salt" + hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=16).digest()
+
+
 class BlockPool:
     """Blocks ``0..num_blocks-1``, a LRU free queue and the hash -> cached block map."""
 
@@ -182,7 +189,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            # cache_salt: a salted root, so only requests with the same salt share blocks.
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 

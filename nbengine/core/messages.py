@@ -14,11 +14,14 @@ from __future__ import annotations
 import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbengine.outputs import PositionLogprobs
 from nbengine.request import FinishReason, RequestStatus
 from nbengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nbengine.structured_outputs import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -31,6 +34,10 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    # Built by the frontend for ``sampling_params.structured_outputs`` (never compiled on
+    # the core's thread); None there makes the core build one (a backend that pickles).
+    grammar: GrammarMatcher | None = None
+    cache_salt: str | None = None  # vLLM's prefix-cache isolation between tenants
 
 
 class MessageType(enum.Enum):
@@ -66,6 +73,9 @@ class EngineCoreOutput:
     status: RequestStatus = RequestStatus.RUNNING
     num_cached_tokens: int = 0
     error: str | None = None  # why, for FINISHED_IGNORED / FINISHED_ERROR
+    # Finished (STOP, stop_reason None) because its structured-output grammar matched and
+    # allows nothing more: the last token is content, not an EOS to hide.
+    finished_by_grammar: bool = False
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from nbengine.sampling_params import SamplingParams
+    from nbengine.structured_outputs import GrammarMatcher
 
 __all__ = ["Request"]
 
@@ -45,6 +46,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    grammar: GrammarMatcher | None = None  # structured outputs: the request's grammar state
+    finished_by_grammar: bool = False  # its grammar matched and allows nothing more
+    error: str | None = None  # set when its own logits processor failed: it ends in error
+    cache_salt: str | None = None  # prefix-cache isolation: blocks shared only within a salt
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

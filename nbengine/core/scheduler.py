@@ -130,6 +130,7 @@ class Scheduler:
             output = EngineCoreOutput(rid, [])
         output.finish_reason = RequestStatus.get_finish_reason(status)
         output.stop_reason = request.stop_reason
+        output.finished_by_grammar = request.finished_by_grammar
         output.status = status
         output.num_cached_tokens = max(request.num_cached_tokens, 0)
         output.error = error
@@ -324,12 +325,18 @@ class Scheduler:
                 if sampled is None:
                     raise RuntimeError(f"model runner returned no token for request {rid!r}")
                 request.append_output_token(sampled.token_id)
+                if request.grammar is not None and not request.grammar.accept(sampled.token_id):
+                    # Only a logits processor that unmasks tokens can get here.
+                    request.error = (f"structured outputs: the grammar rejected token "
+                                     f"{sampled.token_id}")
                 out.new_token_ids.append(sampled.token_id)
                 if sampled.logprobs is not None:
                     out.new_logprobs = [sampled.logprobs]
                 status = self._check_stop(request)
+                if request.error is not None:  # its own logits processor failed
+                    status = RequestStatus.FINISHED_ERROR
                 if status is not None:
-                    self._remove(request, status, output=out)
+                    self._remove(request, status, error=request.error, output=out)
                     continue
             if out.new_token_ids or out.new_prompt_logprobs:
                 outputs.append(out)
@@ -361,6 +368,11 @@ class Scheduler:
             if params.stop_token_ids and last in params.stop_token_ids:
                 request.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated():
+            # Structured outputs: the grammar has matched and allows nothing more.
+            request.stop_reason = None
+            request.finished_by_grammar = True
+            return RequestStatus.FINISHED_STOPPED
         if request.num_tokens >= min(self.max_model_len, self.pool_tokens):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from nbengine.dashboard.style import badge_html, format_seconds
+from nbengine.dashboard.style import badge_html, constraint_tag_html, format_seconds
 from nbengine.dashboard.traits import TraitWriter
 from nbengine.request import RequestStatus
 
@@ -233,7 +233,8 @@ class DashboardView:
         age = r.e2e_time if finished else now - r.arrival_time
         self._set(row.box.layout, "display", "flex")
         self._set(row.id_cell, "value",
-                  f'<span style="font-family:monospace">{html.escape(r.request_id)}</span>')
+                  f'<span style="font-family:monospace">{html.escape(r.request_id)}</span>'
+                  + constraint_tag_html(r.constraint))
         self._set(row.badge, "value", badge_html(status))
         self._set(row.tokens, "value", str(r.output_tokens))
         self._set(row.ttft, "value", format_seconds(r.ttft))

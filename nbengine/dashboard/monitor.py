@@ -119,6 +119,10 @@ class EngineMonitor:
         """A lifecycle transition."""
         self.metrics.on_event(ev)
 
+    def on_constraint(self, key: str, request_id: str, constraint: str) -> None:
+        """Hook: ``key`` runs under a structured-output constraint."""
+        self.metrics.on_constraint(key, request_id, constraint)
+
     def on_scheduled(self, key: str, when: float) -> None:
         """``key`` went RUNNING. The frontend stamps events when a batch reaches the loop;
         ``when`` is the core's (earlier) schedule time of the request."""

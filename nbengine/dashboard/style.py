@@ -46,3 +46,16 @@ def format_seconds(seconds: float | None) -> str:
     if seconds < 120:
         return f"{seconds:.2f} s"
     return f"{seconds / 60:.1f} min"
+
+
+def constraint_tag_html(constraint: str | None) -> str:
+    """A small tag naming a structured-output constraint ("json", "regex", "choice",
+    "grammar"), its full description as the tooltip; "" for an unconstrained request."""
+    if not constraint:
+        return ""
+    import html
+
+    kind = constraint.split(":", 1)[0]
+    return (f' <span class="nbengine-constraint" title="{html.escape(constraint, quote=True)}" '
+            'style="font-size:10px;padding:0 4px;border-radius:3px;background:#ede7f6;'
+            f'color:#4527a0;font-family:monospace">{html.escape(kind)}</span>')

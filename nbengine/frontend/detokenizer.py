@@ -60,6 +60,7 @@ class IncrementalDetokenizer:
         "_holdback",
         "stop_string",
         "finished",
+        "_detokenize",
     )
 
     def __init__(
@@ -70,6 +71,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
+        self._detokenize = params.detokenize  # False: token ids only, text stays ""
         self.token_ids: list[int] = []  # the output ids
         # Prompt context, then every output id; the offsets below index this list.
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -114,6 +116,8 @@ class IncrementalDetokenizer:
         if self.finished or not new_token_ids:
             return None
         self.token_ids.extend(new_token_ids)
+        if not self._detokenize:
+            return None
         self._window_ids.extend(new_token_ids)
         self._num_decoded = len(self._window_ids) - (1 if exclude_last_text else 0)
         if self._num_decoded <= self._read_offset:
@@ -150,7 +154,7 @@ class IncrementalDetokenizer:
         if self.finished:
             return
         self.finished = True
-        if self._num_decoded > self._read_offset:
+        if self._detokenize and self._num_decoded > self._read_offset:
             self.text += self._advance(self._num_decoded, force=True)
 
     def streamable_len(self, final: bool) -> int:

@@ -124,11 +124,12 @@ class Engine:
             self._core_queue: queue.Queue[EngineCoreMessage] = self._client.queue  # type: ignore[attr-defined]
         self._vocab_size = int(self._client.vocab_size)
         self._max_model_len = int(self._client.max_model_len)
-        self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len,
-                                      default_sampling_params(model_dir))
         self._eos_token_ids = frozenset(self._client.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ())
         )
+        self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len,
+                                      default_sampling_params(model_dir), self._eos_token_ids,
+                                      self.config.model.max_logprobs)
 
         # Observers of the output processor (docs/architecture.md, "Seams"); the first is
         # the metrics log and widgets. The UI package is imported here, not at module level.
@@ -473,6 +474,20 @@ class Engine:
     def num_unfinished_requests(self) -> int:
         """Number of live requests (user ids, not children)."""
         return len(self._processor.requests)
+
+    def reset_prefix_cache(self, timeout: float | None = 60.0) -> bool:
+        """Forget every prefix-cache entry (vLLM's name); runs between two core steps.
+
+        Returns False, forgetting nothing, while any request holds KV blocks (as vLLM).
+        With ``backend="ray"`` it resets replica 0 only.
+        """
+        if self._dead is not None or self._closed:
+            raise EngineDeadError(self._dead or "The engine has been shut down.")
+        from nbengine.core.engine_core import EngineCore
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fut = self._run_on_core(EngineCore.reset_prefix_cache)
+        return bool(self._wait_future(fut, deadline, "prefix-cache reset"))
 
     # ------------------------------------------------- metrics and widgets (any thread)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbengine.sampling_params import SamplingParams
+from nbengine.structured_outputs import GrammarCompiler, GrammarMatcher
 from nbengine.validation import is_int
 
 
@@ -32,6 +33,10 @@ class PreparedRequest:
     # the caller was interrupted first (then it must never be registered).
     handle: Any = None
     withdrawn: bool = False
+    # Structured outputs: one grammar matcher per completion (n), built on the caller's
+    # thread so that the engine core never compiles a grammar.
+    grammars: list[GrammarMatcher] | None = None
+    cache_salt: str | None = None  # from a prompt dict's "cache_salt"
 
 
 class InputProcessor:
@@ -43,16 +48,43 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         default_params: SamplingParams | None = None,
+        eos_token_ids: Sequence[int] = (),
+        max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # What a call without SamplingParams runs with (the model's generation_config).
         self.default_params = default_params if default_params is not None else SamplingParams()
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_logprobs = max_logprobs  # -1: no bound
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler and cache of structured outputs (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """vLLM's tokenization of ``bad_words``: each word as written (leading space
+        stripped) and, where it tokenizes to as many tokens with a different first token,
+        also with a leading space (the form a word takes inside a sentence)."""
+        out: list[list[int]] = []
+        for word in bad_words:
+            for prefix in ("", " "):
+                ids = list(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if not ids:
+                    continue
+                if prefix and out and (ids[0] == out[-1][0] or len(ids) != len(out[-1])):
+                    continue
+                out.append(ids)
+        return out
 
     def prepare(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | dict[str, Any],
         sampling_params: SamplingParams | None,
         request_id: str | None,
         priority: int,
@@ -81,6 +113,25 @@ class InputProcessor:
                     f"{name}={k} asks for more log-probabilities than the model's "
                     f"vocabulary of {self.vocab_size} tokens."
                 )
+            if k is not None and self.max_logprobs != -1:
+                wanted = self.vocab_size if k == -1 else k
+                if wanted > self.max_logprobs:
+                    raise ValueError(
+                        f"{name}={k} asks for {wanted} log-probabilities, more than the "
+                        f"engine's max_logprobs={self.max_logprobs} (raise it with "
+                        f"Engine(max_logprobs=...); -1 lifts the bound)."
+                    )
+        if sampling_params.allowed_token_ids:
+            outside = sorted(t for t in sampling_params.allowed_token_ids
+                             if t >= self.vocab_size)
+            if outside:
+                raise ValueError(
+                    f"allowed_token_ids names token ids outside the model's vocabulary "
+                    f"(0..{self.vocab_size - 1}): {outside[:5]}."
+                )
+        if sampling_params.bad_words:
+            sampling_params = sampling_params.replace(
+                bad_words_token_ids=self.bad_words_token_ids(sampling_params.bad_words))
         if sampling_params.logit_bias:
             outside = sorted(t for t in sampling_params.logit_bias if t >= self.vocab_size)
             if outside:
@@ -88,6 +139,7 @@ class InputProcessor:
                     f"logit_bias names token ids outside the model's vocabulary "
                     f"(0..{self.vocab_size - 1}): {outside[:5]}."
                 )
+        prompt, cache_salt = _unwrap_prompt_dict(prompt)
         text: str | None
         if isinstance(prompt, str):
             if not prompt:
@@ -114,12 +166,44 @@ class InputProcessor:
             raise TypeError(
                 f"prompt must be a str or a list of token ids, got {type(prompt).__name__}."
             )
+        k = sampling_params.truncate_prompt_tokens
+        if k is not None:  # keep the last k prompt tokens (-1: the last max_model_len)
+            ids = ids[-(self.max_model_len if k == -1 else k):]
         if len(ids) > self.max_model_len:
             raise ValueError(
                 f"The prompt has {len(ids)} tokens, more than max_model_len="
                 f"{self.max_model_len}."
             )
-        return PreparedRequest(request_id, text, ids, sampling_params, priority)
+        prep = PreparedRequest(request_id, text, ids, sampling_params, priority,
+                               cache_salt=cache_salt)
+        spec = sampling_params.structured_outputs
+        if spec is not None:
+            prep.grammars = [self.grammars.matcher(spec) for _ in range(sampling_params.n)]
+        return prep
+
+
+def _unwrap_prompt_dict(prompt: object) -> tuple[Any, str | None]:
+    """vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, each
+    with an optional ``"cache_salt"``; returns the prompt and the salt."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise TypeError(f"cache_salt must be a non-empty string, got {salt!r}.")
+    keys = set(prompt) - {"cache_salt"}
+    if keys == {"prompt"}:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"prompt['prompt'] must be a str, got {prompt['prompt']!r}.")
+        return prompt["prompt"], salt
+    if keys == {"prompt_token_ids"}:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise TypeError("prompt['prompt_token_ids'] must be a list of ints.")
+        return list(ids), salt
+    raise ValueError(
+        "A prompt dict must have one key 'prompt' (text) or 'prompt_token_ids' (and "
+        f"optionally 'cache_salt'); got {sorted(map(str, prompt))}."
+    )
 
 
 def _check_encodable(what: str, text: str) -> None:

@@ -3,7 +3,8 @@
 The output processor notifies every registered observer, always on the
 ``nbengine-loop`` thread (docs/architecture.md, "Threads"): when an incarnation (each
 ``n > 1`` child) is registered, on every lifecycle transition, when the core's schedule
-time of a running request is known, when a request has new tokens, for every engine step,
+time of a running request is known, when a request has new tokens, when a request
+runs under a structured-output constraint, for every engine step,
 and when a multi-replica backend places a request. Register one with
 ``engine.add_observer(obs)``; the engine's own ``EngineMonitor`` (nbengine/dashboard) is
 one. Hooks must be quick and must not block: they run between the model's output batches.
@@ -32,6 +33,9 @@ class EngineObserver(Protocol):
         self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
     ) -> None:
         """The incarnation ``key`` of ``request_id`` was registered (each n>1 child)."""
+
+    def on_constraint(self, key: str, request_id: str, constraint: str) -> None:
+        """``key`` runs under a structured-output constraint (its short description)."""
 
     def on_event(self, ev: LifecycleEvent) -> None:
         """A lifecycle transition of one incarnation."""
@@ -90,6 +94,9 @@ class ObserverList(EngineObserver):
         self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
     ) -> None:
         self._notify("on_request", key, request_id, num_prompt_tokens, arrival_time)
+
+    def on_constraint(self, key: str, request_id: str, constraint: str) -> None:
+        self._notify("on_constraint", key, request_id, constraint)
 
     def on_event(self, ev: LifecycleEvent) -> None:
         self._notify("on_event", ev)

@@ -316,7 +316,8 @@ class OutputProcessor:
                 child.logprobs = []
                 child.cumulative_logprob = 0.0
             for tid, pos in zip(ids, out.new_logprobs):
-                self._fill_decoded(pos)
+                if child.params.detokenize:  # detokenize=False: decoded_token stays None
+                    self._fill_decoded(pos)
                 child.logprobs.append(pos)
                 chosen = pos.get(tid)
                 if chosen is not None and child.cumulative_logprob is not None:
@@ -326,6 +327,7 @@ class OutputProcessor:
             out.finish_reason is FinishReason.STOP
             and (out.stop_reason is None or isinstance(out.stop_reason, int))
             and not child.params.include_stop_str_in_output
+            and not out.finished_by_grammar
         )
         stop = child.detok.update(ids, exclude_last_text=hide_last)
         self._observers.on_tokens(child.key, len(child.detok.token_ids), now,

@@ -51,6 +51,7 @@ class RequestRegistry:
     ) -> None:
         self._tokenizer = tokenizer
         self._client = client
+        self._observers = observers
         self._eos_token_ids = eos_token_ids
         self._stream_interval = stream_interval
         self.processor = OutputProcessor(tokenizer, send_abort=self.send_abort,
@@ -96,7 +97,11 @@ class RequestRegistry:
         )
         self.processor.add(live)
         prep.handle = handle
-        for child in children:
+        if params.structured_outputs is not None:  # the dashboard marks constrained requests
+            constraint = params.structured_outputs.describe()
+            for child in children:
+                self._observers.on_constraint(child.key, request_id, constraint)
+        for i, child in enumerate(children):
             self._client.send(
                 EngineCoreMessage(
                     MessageType.ADD,
@@ -107,6 +112,8 @@ class RequestRegistry:
                         arrival_time=prep.arrival,
                         priority=prep.priority,
                         eos_token_ids=self._eos_token_ids,
+                        grammar=prep.grammars[i] if prep.grammars else None,
+                        cache_salt=prep.cache_salt,
                     ),
                 )
             )

@@ -84,7 +84,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
             for _ in range(m.num_layers)
         ]
-        self.sampler = Sampler(config.model.seed)
+        self.sampler = Sampler(config.model.seed, config.model.logprobs_mode)
         logger.info(
             "Loaded %s from %s (%s, max_model_len=%d); KV cache: %d blocks of %d tokens (%.1f MiB).",
             loaded.architecture, loaded.path, self.dtype, self.max_model_len, n_blocks,

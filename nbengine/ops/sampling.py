@@ -29,10 +29,12 @@ from collections.abc import Sequence
 import torch
 
 from nbengine.ops import native
+from nbengine.ops.request_processors import apply_request_processors, needs_request_processing
 
 from nbengine.outputs import Logprob, PositionLogprobs
 from nbengine.core.request import Request
 from nbengine.sampling_params import SamplingParams
+from nbengine.structured_outputs import apply_bitmask, bitmask_words
 
 
 def _needs_processing(req: Request) -> bool:
@@ -43,6 +45,7 @@ def _needs_processing(req: Request) -> bool:
         or p.frequency_penalty
         or p.repetition_penalty != 1.0
         or (p.min_tokens and req.num_output_tokens < p.min_tokens)
+        or needs_request_processing(req)
     )
 
 
@@ -56,6 +59,7 @@ def topk_logprobs(
     m = logprobs.shape[0]
     if m == 0:
         return []
+    ks = [logprobs.shape[1] if k < 0 else k for k in ks]  # -1: the whole vocabulary
     tok = torch.tensor(list(token_ids), dtype=torch.int64).unsqueeze(1)
     chosen = logprobs.gather(1, tok)  # [M, 1]
     ranks = (logprobs > chosen).sum(dim=1) + 1
@@ -228,8 +232,9 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
 class Sampler:
     """Samples one token per row of logits for the given requests."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.logprobs_mode = logprobs_mode  # config.LOGPROBS_MODES
 
     def __call__(
         self, logits: torch.Tensor, requests: Sequence[Request]
@@ -241,12 +246,32 @@ class Sampler:
         assert logits.shape[0] == len(requests)
         params = [r.sampling_params for r in requests]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = logits.log_softmax(dim=-1)[want_lp] if want_lp else None
+        mode = self.logprobs_mode
+        raw = None
+        if want_lp and mode == "raw_logprobs":
+            raw = logits.log_softmax(dim=-1)[want_lp]
+        elif want_lp and mode == "raw_logits":
+            raw = logits[want_lp].clone()
 
-        if all(p.greedy for p in params) and not any(_needs_processing(r) for r in requests):
+        x = logits  # the processed logits (the model's own on the fast path)
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if (not constrained and all(p.greedy for p in params)
+                and not any(_needs_processing(r) for r in requests)):
             tokens = _argmax_rows(logits)  # fast path: no per-row work
         else:
-            x = _finite(apply_penalties_and_bias(logits.clone(), requests))
+            x = logits.clone()
+            if constrained:
+                # Structured outputs: only the tokens each row's grammar allows remain.
+                bitmask = torch.empty(len(constrained), bitmask_words(x.shape[1]),
+                                      dtype=torch.int32)
+                for j, i in enumerate(constrained):
+                    grammar = requests[i].grammar
+                    assert grammar is not None
+                    grammar.fill_bitmask(bitmask[j])
+                apply_bitmask(x, constrained, bitmask)
+            if any(needs_request_processing(r) for r in requests):
+                apply_request_processors(x, requests)
+            x = _finite(apply_penalties_and_bias(x, requests))
             tokens = x.argmax(dim=-1).tolist()
             rand = [i for i, p in enumerate(params) if not p.greedy]
             if rand:
@@ -269,6 +294,11 @@ class Sampler:
                 for j, i in enumerate(rand):
                     tokens[i] = picked[j]
 
+        if want_lp and raw is None:  # processed_*: after the request's logits processing
+            temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                                dtype=x.dtype)[:, None]
+            processed = (x / temp)[want_lp]
+            raw = processed.log_softmax(dim=-1) if mode == "processed_logprobs" else processed
         lps: list[PositionLogprobs | None] = [None] * len(requests)
         if want_lp:
             assert raw is not None
