@@ -94,12 +94,11 @@ def beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchParams
     if max_lp != -1 and 2 * width > max_lp:
         raise ValueError(f"beam_width={width} needs {2 * width} logprobs per step, more than "
                          f"the engine's max_logprobs={max_lp}.")
-    eos = frozenset(engine._eos_token_ids)
+    eos = engine.eos_token_ids
     step_params = SamplingParams(logprobs=2 * width, max_tokens=1,
                                  temperature=params.temperature, detokenize=False)
     # Validate and tokenize every prompt first: a bad one leaves nothing running.
-    prompt_ids = [engine._inputs.prepare(p, step_params, None, 0).prompt_token_ids
-                  for p in prompts]
+    prompt_ids = [engine.encode_prompt(p, step_params) for p in prompts]
     beams = [[BeamSearchSequence(tokens=list(ids))] for ids in prompt_ids]
     finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
 

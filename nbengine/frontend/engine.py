@@ -487,7 +487,7 @@ class Engine:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         fut = self._run_on_core(EngineCore.reset_prefix_cache)
-        return bool(self._wait_future(fut, deadline, "prefix-cache reset"))
+        return bool(self._bridge.wait_future(fut, deadline, "prefix-cache reset"))
 
     # ------------------------------------------------- metrics and widgets (any thread)
 
@@ -531,6 +531,18 @@ class Engine:
     def max_model_len(self) -> int:
         """The longest sequence (prompt plus output tokens) a request may reach."""
         return self._max_model_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The token ids that end a request (the model's EOS ids and the tokenizer's)."""
+        return self._eos_token_ids
+
+    def encode_prompt(self, prompt: Any, sampling_params: SamplingParams | None = None
+                      ) -> list[int]:
+        """The token ids ``prompt`` (text, token ids or a prompt dict) runs on, validated
+        as ``generate()`` validates it (ValueError/TypeError naming the problem)."""
+        params = sampling_params or self.get_default_sampling_params()
+        return list(self._inputs.prepare(prompt, params, None, 0).prompt_token_ids)
 
     @property
     def is_alive(self) -> bool:

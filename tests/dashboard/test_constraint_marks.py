@@ -31,7 +31,7 @@ def test_handle_widget_and_dashboard_mark_constrained_requests(engine: nb.Engine
         assert shaped is not None and free is not None
         assert "nbengine-constraint" in shaped and "json" in shaped and "integer" in shaped
         assert "nbengine-constraint" not in free
-        rows = {r.request_id: r for r in engine._monitor.metrics.snapshot_requests()}
+        rows = {r.request_id: r for r in engine.monitor.metrics.snapshot_requests()}
         assert rows["shaped"].constraint is not None
         assert rows["shaped"].constraint.startswith("json: ")
         assert rows["free"].constraint is None
