@@ -1,6 +1,6 @@
 """``engine.dashboard()``: the live engine dashboard.
 
-Parts: a table of requests (id, status badge, tokens, TTFT, age, a Cancel button per
+Parts: a table of requests (id, source: "notebook" or "server", status badge, tokens, TTFT, age, a Cancel button per
 live row), a "Cancel all" button, the KV cache usage (a progress bar with blocks used /
 total and the prefix-cache hit rate) and plotly ``FigureWidget`` charts of throughput
 and running/waiting counts over time.
@@ -22,6 +22,7 @@ import ipywidgets as widgets
 
 from nbengine.dashboard.style import badge_html, format_seconds
 from nbengine.request import RequestStatus
+from nbengine.request_source import request_source
 
 if TYPE_CHECKING:
     from nbengine.dashboard.monitor import EngineMonitor
@@ -35,7 +36,7 @@ CHART_EVERY_TICKS = 5  # charts refresh at ~2 Hz, the table at ~10 Hz
 THROUGHPUT_BIN_S = 1.0
 MAX_CHART_POINTS = 400
 
-_COLS = (("request", "150px"), ("status", "190px"), ("tokens", "70px"), ("TTFT", "80px"),
+_COLS = (("request", "150px"), ("source", "80px"), ("status", "190px"), ("tokens", "70px"), ("TTFT", "80px"),
          ("age", "80px"), ("", "90px"))
 _UNSET: Any = object()
 
@@ -54,16 +55,18 @@ class _Row:
         self.key: str | None = None
         self.cancelled = False
         self.id_cell = _cell("", _COLS[0][1], "nbengine-row-id")
-        self.badge = _cell("", _COLS[1][1], "nbengine-row-status")
-        self.tokens = _cell("", _COLS[2][1], "nbengine-row-tokens")
-        self.ttft = _cell("", _COLS[3][1], "nbengine-row-ttft")
-        self.age = _cell("", _COLS[4][1], "nbengine-row-age")
+        self.source = _cell("", _COLS[1][1], "nbengine-row-source")
+        self.badge = _cell("", _COLS[2][1], "nbengine-row-status")
+        self.tokens = _cell("", _COLS[3][1], "nbengine-row-tokens")
+        self.ttft = _cell("", _COLS[4][1], "nbengine-row-ttft")
+        self.age = _cell("", _COLS[5][1], "nbengine-row-age")
         self.cancel = widgets.Button(
-            description="Cancel", button_style="danger", layout=widgets.Layout(width=_COLS[5][1])
+            description="Cancel", button_style="danger", layout=widgets.Layout(width=_COLS[6][1])
         )
         self.cancel.add_class("nbengine-row-cancel")
         self.box = widgets.HBox(
-            [self.id_cell, self.badge, self.tokens, self.ttft, self.age, self.cancel],
+            [self.id_cell, self.source, self.badge, self.tokens, self.ttft, self.age,
+             self.cancel],
             layout=widgets.Layout(display="none", align_items="center"),
         )
         self.box.add_class("nbengine-row")
@@ -237,6 +240,7 @@ class DashboardView:
         self._set(row.box.layout, "display", "flex")
         self._set(row.id_cell, "value",
                   f'<span style="font-family:monospace">{html.escape(r.request_id)}</span>')
+        self._set(row.source, "value", html.escape(request_source(r.request_id)))
         self._set(row.badge, "value", badge_html(status))
         self._set(row.tokens, "value", str(r.output_tokens))
         self._set(row.ttft, "value", format_seconds(r.ttft))
