@@ -108,10 +108,12 @@ class ChatPanel(widgets.VBox):
                                        layout=widgets.Layout(width="100%"))
         self.system.add_class("nbengine-chat-system")
         self.temperature = widgets.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05,
-                                               description="temperature")
+                                               description="temperature",
+                                               style={"description_width": "initial"})
         self.max_tokens = widgets.BoundedIntText(value=max_tokens, min=1, max=1_000_000,
                                                  description="max tokens",
                                                  layout=widgets.Layout(width="220px"))
+        self.max_tokens.add_class("nbengine-chat-max-tokens")
         self.history = widgets.VBox([])
         self.history.add_class("nbengine-chat-log")
         # column-reverse: the browser keeps a scroll box laid out this way anchored at
