@@ -17,7 +17,6 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -32,6 +31,7 @@ from nbengine.frontend.handles import RequestHandle
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError, RequestIdInUseError
 from nbengine.server import protocol as P
+from nbengine.server.limits import ServerLimits
 
 __all__ = ["ServerLimits", "build_app", "live_request_ids"]
 
@@ -39,20 +39,6 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PREFIX = "server:"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-DEFAULT_MAX_TOKENS = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """What one HTTP request may ask for."""
-
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    """Bodies above this many bytes are refused with 413."""
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    """``max_tokens`` above this is refused with 400; chat's default when unset."""
 
 
 def _error(exc: P.ProtocolError) -> JSONResponse:

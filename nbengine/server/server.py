@@ -16,18 +16,16 @@ raises there, and ``port=0`` picks a free port (``server.url`` names it).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import threading
 from typing import Any
 
-from nbengine.server.app import (
+from nbengine.server.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOKENS,
     ServerLimits,
-    build_app,
-    live_request_ids,
+    is_loopback,
 )
 
 __all__ = ["Server", "serve"]
@@ -35,16 +33,6 @@ __all__ = ["Server", "serve"]
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Server:
@@ -62,7 +50,14 @@ class Server:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         log_level: str = "warning",
     ) -> None:
-        import uvicorn  # the `serve` extra
+        try:
+            import uvicorn
+
+            from nbengine.server.app import build_app
+        except ImportError as exc:
+            raise ImportError(
+                f"engine.serve() needs the serve extra (pip install 'nbengine[serve]'): {exc}"
+            ) from exc
 
         if not isinstance(host, str) or not host:
             raise TypeError(f"host must be a non-empty string, got {host!r}.")
@@ -136,6 +131,8 @@ class Server:
             if self._thread.is_alive():
                 self._uvicorn.force_exit = True
                 self._thread.join(timeout)
+        from nbengine.server.app import live_request_ids
+
         leftover = live_request_ids(self.app)
         if leftover and self.engine.is_alive:  # streams cut by the shutdown
             try:

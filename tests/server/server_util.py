@@ -24,4 +24,5 @@ def final_status(engine: nb.Engine, request_id: str) -> str | None:
     rows = stats[stats["request_id"] == request_id]
     if rows.empty:
         return None
-    return rows.iloc[-1]["finish_reason"]
+    reason = rows.iloc[-1]["finish_reason"]
+    return reason if isinstance(reason, str) else None  # NaN while it runs
