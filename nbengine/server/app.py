@@ -246,7 +246,8 @@ def build_app(engine: Any, model_name: str, api_key: str | None = None,
                                                "request per prompt).", param="prompt")
                 prompt = prompt[0]
             params = P.to_sampling_params(req, defaults=engine.get_default_sampling_params(),
-                                          max_tokens_limit=state.limits.max_tokens)
+                                          max_tokens_limit=state.limits.max_tokens,
+                                          stream_interval=state.limits.stream_interval)
             rid, engine_id = state.request_id(request, "cmpl")
             handle = state.start(lambda: engine.generate(prompt, params, request_id=engine_id))
         except P.ProtocolError as exc:
@@ -277,7 +278,8 @@ def build_app(engine: Any, model_name: str, api_key: str | None = None,
             state.check_model(req.model)
             state.check_alive()
             params = P.to_sampling_params(req, defaults=engine.get_default_sampling_params(),
-                                          max_tokens_limit=state.limits.max_tokens)
+                                          max_tokens_limit=state.limits.max_tokens,
+                                          stream_interval=state.limits.stream_interval)
             messages = [P.chat_content(m) for m in req.messages]
             rid, engine_id = state.request_id(request, "chatcmpl")
             handle = state.start(lambda: engine.chat(
@@ -336,6 +338,21 @@ def live_request_ids(app: Starlette) -> list[str]:
 # ------------------------------------------------------------------ event bodies
 
 
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _prefix(head: dict[str, Any]) -> str:
+    """The JSON of a chunk up to its first choice: ``{"id":...,"choices":[``."""
+    return _dumps(head)[:-1] + ',"choices":['
+
+
+def _plain(out: RequestOutput, want_logprobs: bool) -> bool:
+    """True for an output that is one unfinished choice without logprobs (most chunks),
+    which the streams write from a template rather than through a dict."""
+    return (not out.finished and out.error is None and len(out.outputs) == 1
+            and not want_logprobs and out.outputs[0].finish_reason is None)
+
+
 def _usage_state(stream_options: P.StreamOptions | None) -> bool:
     return stream_options is not None and stream_options.include_usage
 
@@ -344,11 +361,20 @@ async def _completion_events(handle: RequestHandle, head: dict[str, Any], tokeni
                              stream_options: P.StreamOptions | None) -> AsyncIterator[str]:
     n_out = 0
     offsets: dict[int, int] = {}
+    prefix = _prefix(head)
+    want_logprobs = handle.sampling_params.logprobs is not None
     async for out in handle:
         if out.error is not None:
             yield _sse(P.ProtocolError(503, out.error, type="server_error",
                                        code="engine_dead").body())
             break
+        if _plain(out, want_logprobs):  # the common chunk: one choice, text only
+            c = out.outputs[0]
+            n_out += len(c.token_ids)
+            if c.text or c.token_ids:
+                yield (f'data: {prefix}{{"index":{c.index},"text":{_dumps(c.text)},'
+                       '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n')
+            continue
         choices = []
         for c in out.outputs:
             n_out += len(c.token_ids)
@@ -372,6 +398,7 @@ async def _chat_events(handle: RequestHandle, head: dict[str, Any], tokenizer: A
     n_out = 0
     started: set[int] = set()
     want_logprobs = handle.sampling_params.logprobs is not None
+    prefix = _prefix(head)
     for i in range(handle.sampling_params.n):  # the role first, as OpenAI sends it
         started.add(i)
         yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
@@ -382,6 +409,14 @@ async def _chat_events(handle: RequestHandle, head: dict[str, Any], tokenizer: A
             yield _sse(P.ProtocolError(503, out.error, type="server_error",
                                        code="engine_dead").body())
             break
+        if _plain(out, want_logprobs):  # the common chunk: one choice, text only
+            c = out.outputs[0]
+            n_out += len(c.token_ids)
+            if c.text:
+                yield (f'data: {prefix}{{"index":{c.index},"delta":{{"content":'
+                       f'{_dumps(c.text)}}},"logprobs":null,"finish_reason":null,'
+                       '"stop_reason":null}]}\n\n')
+            continue
         choices = []
         for c in out.outputs:
             n_out += len(c.token_ids)

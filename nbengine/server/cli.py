@@ -46,6 +46,8 @@ def add_serve_parser(sub: Any, parents: list[argparse.ArgumentParser],
                    help="the most tokens one request may ask for")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="the largest request body accepted")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="streams send a chunk every N tokens after the first")
     p.add_argument("--dtype", default="auto", help="model dtype (auto, bfloat16, float32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the most requests per batch")
@@ -77,7 +79,8 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
     with nb.Engine(model, **engine_kw) as engine:
         with Server(engine, args.host, args.port, api_key, model_name=args.served_model_name,
                     max_tokens=args.max_tokens,
-                    max_request_bytes=args.max_request_bytes) as server:
+                    max_request_bytes=args.max_request_bytes,
+                    stream_interval=args.stream_interval) as server:
             print(f"nbengine: serving {server.model_name!r} at {server.url}", flush=True)
             try:
                 while not stop.wait(0.5):

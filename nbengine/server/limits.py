@@ -20,6 +20,9 @@ class ServerLimits:
     """Bodies above this many bytes are refused with 413."""
     max_tokens: int = DEFAULT_MAX_TOKENS
     """``max_tokens`` above this is refused with 400; chat's default when unset."""
+    stream_interval: int = 1
+    """Streams send a chunk every this many tokens after the first (vLLM's
+    ``stream_interval``): fewer chunks, less server work per token, same TTFT."""
 
 
 def is_loopback(host: str) -> bool:

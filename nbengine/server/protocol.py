@@ -149,6 +149,7 @@ def to_sampling_params(
     *,
     defaults: SamplingParams,
     max_tokens_limit: int,
+    stream_interval: int = 1,
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``req`` (ProtocolError 400 naming the field).
 
@@ -200,6 +201,7 @@ def to_sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
         output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        stream_interval=stream_interval if req.stream else 1,
     )
     for opt in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, opt)
