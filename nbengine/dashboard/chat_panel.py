@@ -75,7 +75,8 @@ class ChatPanel(widgets.VBox):
     """A chat with ``engine`` (see the module docstring). ``messages`` seeds the
     conversation (without the system prompt, which ``system_prompt`` sets);
     ``sampling_params`` gives what the controls do not (seed, top_p, stop, ...; the
-    engine's defaults otherwise): temperature and max tokens come from the controls."""
+    engine's defaults otherwise): temperature and max tokens come from the controls;
+    ``chat_template`` replaces the model's own (``engine.chat``'s argument)."""
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class ChatPanel(widgets.VBox):
         max_tokens: int = 256,
         messages: list[dict[str, str]] | None = None,
         sampling_params: SamplingParams | None = None,
+        chat_template: str | None = None,
     ) -> None:
         if not isinstance(system_prompt, str):
             raise TypeError(f"system_prompt must be a str, got {type(system_prompt).__name__}.")
@@ -96,6 +98,8 @@ class ChatPanel(widgets.VBox):
         # What the controls do not set (seed, top_p, stop, ...): the engine's defaults.
         self._base = sampling_params or engine.get_default_sampling_params()
         self.engine = engine
+        self.chat_template = chat_template
+        self._recorded: RequestHandle | None = None  # the last reply added to the turns
         self.handle: RequestHandle | None = None  # the reply streaming now (or the last one)
         self._turns: list[dict[str, str]] = []
         self._reply: _Reply | None = None
@@ -191,6 +195,21 @@ class ChatPanel(widgets.VBox):
             self._set(self.input, "value", "")
         return handle
 
+    def wait(self, timeout: float | None = 60.0) -> None:
+        """Block until the current reply has ended and joined ``messages`` (for code that
+        continues the conversation: a cell after ``send``). TimeoutError after ``timeout``."""
+        import time
+
+        handle = self.handle
+        if handle is None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle.result(timeout=timeout)
+        while self._recorded is not handle:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("The reply ended but the panel did not record it in time.")
+            time.sleep(0.01)
+
     def stop(self) -> None:
         """Abort the streaming reply (the confirmed abort; never blocks). The reply ends
         with ``finish: abort`` once the core has released it."""
@@ -262,7 +281,8 @@ class ChatPanel(widgets.VBox):
         """Caller holds the lock: start the reply to the conversation so far."""
         params = self._params()
         rid = f"chat:{next(_ids)}-{uuid.uuid4().hex[:6]}"
-        handle = self.engine.chat(self.messages, params, request_id=rid)
+        handle = self.engine.chat(self.messages, params, request_id=rid,
+                                  chat_template=self.chat_template)
         self.handle = handle
         reply = _Reply()
         self._reply = reply
@@ -299,6 +319,7 @@ class ChatPanel(widgets.VBox):
         if handle is not self.handle:
             return
         self._turns.append({"role": "assistant", "content": text})
+        self._recorded = handle
         for button, disabled in ((self.send_button, False), (self.stop_button, True),
                                  (self.regenerate_button, False)):
             self._set(button, "disabled", disabled)

@@ -212,9 +212,12 @@ async def _await_final(state: _ServerState, request: Request, handle: RequestHan
 # ---------------------------------------------------------------------- routes
 
 
-def build_app(engine: Any, model_name: str, api_key: str | None = None,
+def build_app(engine: Any, model_name: str, api_key: str | None = None, *,
+              chat_template: str | None = None,
               limits: ServerLimits | None = None) -> Starlette:
-    """The ASGI app serving ``engine`` as ``model_name`` (see the module docstring)."""
+    """The ASGI app serving ``engine`` as ``model_name`` (see the module docstring).
+    ``chat_template`` (Jinja source or a template name) replaces the model's own for
+    /v1/chat/completions, as vLLM's ``--chat-template`` does."""
     state = _ServerState(engine, model_name, api_key, limits or ServerLimits())
     tokenizer = engine.tokenizer
 
@@ -283,7 +286,7 @@ def build_app(engine: Any, model_name: str, api_key: str | None = None,
             messages = [P.chat_content(m) for m in req.messages]
             rid, engine_id = state.request_id(request, "chatcmpl")
             handle = state.start(lambda: engine.chat(
-                messages, params, request_id=engine_id,
+                messages, params, request_id=engine_id, chat_template=chat_template,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 chat_template_kwargs=req.chat_template_kwargs))

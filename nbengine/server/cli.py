@@ -48,6 +48,9 @@ def add_serve_parser(sub: Any, parents: list[argparse.ArgumentParser],
                    help="the largest request body accepted")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="streams send a chunk every N tokens after the first")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) replacing "
+                        "the model's own")
     p.add_argument("--dtype", default="auto", help="model dtype (auto, bfloat16, float32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the most requests per batch")
@@ -80,7 +83,8 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
         with Server(engine, args.host, args.port, api_key, model_name=args.served_model_name,
                     max_tokens=args.max_tokens,
                     max_request_bytes=args.max_request_bytes,
-                    stream_interval=args.stream_interval) as server:
+                    stream_interval=args.stream_interval,
+                    chat_template=_template(args.chat_template)) as server:
             print(f"nbengine: serving {server.model_name!r} at {server.url}", flush=True)
             try:
                 while not stop.wait(0.5):
@@ -89,3 +93,10 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
                 pass
             print("nbengine: stopping", file=sys.stderr, flush=True)
     return 0
+
+
+def _template(value: str | None) -> str | None:
+    """``--chat-template``: the text of a file, or the value itself."""
+    if value is not None and Path(value).expanduser().is_file():
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    return value

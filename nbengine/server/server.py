@@ -49,6 +49,7 @@ class Server:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         stream_interval: int = 1,
+        chat_template: str | None = None,
         log_level: str = "warning",
     ) -> None:
         try:
@@ -81,9 +82,9 @@ class Server:
             raise EngineDeadError("The engine is not running; it cannot be served.")
         self.engine = engine
         self.model_name = model_name or default_model_name(engine)
-        self.app = build_app(engine, self.model_name, api_key,
-                             ServerLimits(max_request_bytes, max_tokens,
-                                                  stream_interval))
+        self.app = build_app(engine, self.model_name, api_key, chat_template=chat_template,
+                             limits=
+                             ServerLimits(max_request_bytes, max_tokens, stream_interval))
         self._sock = _listen(host, port)
         self.host = host
         self.port: int = self._sock.getsockname()[1]

@@ -79,8 +79,9 @@ def test_stop_aborts_the_reply_and_the_next_message_works(chat_engine: nb.Engine
 def test_regenerate_replaces_the_last_reply(chat_engine: nb.Engine) -> None:
     panel = ChatPanel(chat_engine, max_tokens=5, temperature=1.0,
                       sampling_params=nb.SamplingParams(ignore_eos=True, seed=3))
-    panel.send("Hi").result(timeout=60)
-    _idle(panel)
+    panel.send("Hi")
+    panel.wait()
+    assert [m["role"] for m in panel.messages] == ["user", "assistant"]
     shown = len(panel.history.children)
     h = panel.regenerate()
     h.result(timeout=60)

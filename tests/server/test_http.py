@@ -172,3 +172,14 @@ def test_stopping_the_server_ends_open_streams(engine: nb.Engine) -> None:
         assert not srv.running
     wait_until(lambda: final_status(engine, "server:cut") is not None, "the abort")
     assert final_status(engine, "server:cut") == "abort"
+
+
+def test_a_chat_template_given_to_the_server_replaces_the_models(engine: nb.Engine) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with engine.serve(port=0, chat_template=template) as srv:
+        r = httpx.post(srv.url + "/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 2,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        want = engine.tokenizer.encode("Once upon a time", add_special_tokens=False)
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
