@@ -119,7 +119,7 @@ class _ServerState:
         except EngineDeadError as exc:
             raise P.ProtocolError(503, str(exc), type="server_error", code="engine_dead") from None
         except (ValueError, TypeError) as exc:
-            raise P.ProtocolError(400, str(exc), param=P._field_of(str(exc))) from None
+            raise P.ProtocolError(400, str(exc), param=P.field_of(str(exc))) from None
         self.live.add(handle)
         return handle
 

@@ -139,7 +139,7 @@ def parse_request(cls: type[_Strict], body: Any) -> Any:
         raise ProtocolError(400, f"{param}: {err['msg']}", param=param) from None
 
 
-def _field_of(message: str) -> str | None:
+def field_of(message: str) -> str | None:
     m = _FIELD_RE.match(message)
     return m.group(1) if m else None
 
@@ -211,7 +211,7 @@ def to_sampling_params(
         return defaults.replace(**fields)
     except (ValueError, TypeError) as exc:
         message = str(exc)
-        param = _field_of(message)
+        param = field_of(message)
         if param == "max_tokens" and name != "max_tokens":
             message, param = message.replace("max_tokens", name, 1), name
         raise ProtocolError(400, message, param=param) from None

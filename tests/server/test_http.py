@@ -183,3 +183,16 @@ def test_a_chat_template_given_to_the_server_replaces_the_models(engine: nb.Engi
         assert r.status_code == 200, r.text
         want = engine.tokenizer.encode("Once upon a time", add_special_tokens=False)
         assert r.json()["usage"]["prompt_tokens"] == len(want)
+
+
+def test_engine_refusals_become_400s(server: object, engine: nb.Engine) -> None:
+    vocab = engine.tokenizer.backend.get_vocab_size()
+    err = _error(httpx.post(server.url + "/completions",
+                            json={"prompt": [1, 2, vocab + 5], "max_tokens": 2}), 400)
+    assert "vocabulary" in err["message"]
+    err = _error(httpx.post(server.url + "/completions",
+                            json={"prompt": [[1, 2], [3]], "max_tokens": 2}), 400)
+    assert err["param"] == "prompt"
+    err = _error(httpx.post(server.url + "/completions", headers={"X-Request-Id": "a b"},
+                            json={"prompt": "x", "max_tokens": 2}), 400)
+    assert err["param"] == "X-Request-Id"
