@@ -126,7 +126,11 @@ class ChatPanel(widgets.VBox):
             display="flex", flex_flow="column-reverse", overflow_y="auto",
             max_height=_LIST_HEIGHT, border="1px solid #ddd", padding="4px"))
         self.scroller.add_class("nbengine-chat-list")
-        self.input = widgets.Textarea(placeholder="Message", rows=2,
+        # continuous_update=False: the text reaches the kernel once, when the box loses
+        # focus, which pressing Send does before its click. Per-keystroke updates are
+        # throttled by the front end, and a click could overtake the last of them: a
+        # fast typist's message arrived cut short on a loaded machine.
+        self.input = widgets.Textarea(placeholder="Message", rows=2, continuous_update=False,
                                       layout=widgets.Layout(width="100%"))
         self.input.add_class("nbengine-chat-input")
         self.send_button = widgets.Button(description="Send", icon="paper-plane",
