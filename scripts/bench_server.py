@@ -76,7 +76,9 @@ async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"] and first is None:
+                # The first chunk carries the first token (its text may still be empty:
+                # the detokenizer holds back an incomplete UTF-8 sequence), as in-process.
+                if chunk["choices"] and first is None:
                     first = time.perf_counter()
                 if chunk.get("usage"):
                     n = chunk["usage"]["completion_tokens"]
