@@ -1,6 +1,7 @@
 """``engine.dashboard()``: the live engine dashboard.
 
-Parts: a table of requests (id, source: "notebook" or "server", status badge, tokens, TTFT, age, a Cancel button per
+Parts: a table of requests (id, status badge, tokens, TTFT, age, source: "notebook",
+"server", "chat", ... (nbengine/request_source.py), a Cancel button per
 live row), a "Cancel all" button, the KV cache usage (a progress bar with blocks used /
 total and the prefix-cache hit rate) and plotly ``FigureWidget`` charts of throughput
 and running/waiting counts over time.
@@ -36,8 +37,8 @@ CHART_EVERY_TICKS = 5  # charts refresh at ~2 Hz, the table at ~10 Hz
 THROUGHPUT_BIN_S = 1.0
 MAX_CHART_POINTS = 400
 
-_COLS = (("request", "150px"), ("source", "80px"), ("status", "190px"), ("tokens", "70px"), ("TTFT", "80px"),
-         ("age", "80px"), ("", "90px"))
+_COLS = (("request", "150px"), ("status", "190px"), ("tokens", "70px"), ("TTFT", "80px"),
+         ("age", "80px"), ("source", "80px"), ("", "90px"))
 _UNSET: Any = object()
 
 
@@ -55,17 +56,17 @@ class _Row:
         self.key: str | None = None
         self.cancelled = False
         self.id_cell = _cell("", _COLS[0][1], "nbengine-row-id")
-        self.source = _cell("", _COLS[1][1], "nbengine-row-source")
-        self.badge = _cell("", _COLS[2][1], "nbengine-row-status")
-        self.tokens = _cell("", _COLS[3][1], "nbengine-row-tokens")
-        self.ttft = _cell("", _COLS[4][1], "nbengine-row-ttft")
-        self.age = _cell("", _COLS[5][1], "nbengine-row-age")
+        self.badge = _cell("", _COLS[1][1], "nbengine-row-status")
+        self.tokens = _cell("", _COLS[2][1], "nbengine-row-tokens")
+        self.ttft = _cell("", _COLS[3][1], "nbengine-row-ttft")
+        self.age = _cell("", _COLS[4][1], "nbengine-row-age")
+        self.source = _cell("", _COLS[5][1], "nbengine-row-source")
         self.cancel = widgets.Button(
             description="Cancel", button_style="danger", layout=widgets.Layout(width=_COLS[6][1])
         )
         self.cancel.add_class("nbengine-row-cancel")
         self.box = widgets.HBox(
-            [self.id_cell, self.source, self.badge, self.tokens, self.ttft, self.age,
+            [self.id_cell, self.badge, self.tokens, self.ttft, self.age, self.source,
              self.cancel],
             layout=widgets.Layout(display="none", align_items="center"),
         )
