@@ -168,3 +168,21 @@ def test_bad_parameter_is_400_naming_it(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="tiny", messages=CONV, temperature=-0.5)
     assert info.value.body["param"] == "temperature"
     assert "temperature" in info.value.body["message"]
+
+
+def test_streamed_n_choices_each_add_up(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", messages=CONV, max_tokens=6, n=2, seed=11,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    texts = {0: "", 1: ""}
+    finish = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert finish == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 12 == full.usage.completion_tokens
