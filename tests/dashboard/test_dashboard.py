@@ -7,7 +7,7 @@ import re
 import plotly.graph_objects as go
 
 import nbengine as nb
-from dashboard_helpers import long_params, wait_until
+from support.requests import long_params, wait_until
 from nbengine.dashboard.dashboard import Dashboard
 from nbengine.request import RequestStatus
 
