@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from harness import CHROMIUM, CHROMIUM_ARGS, NotebookPage, jupyter_lab, write_notebook  # noqa: E402
+from harness import CHROMIUM, CHROMIUM_ARGS, NotebookPage, jupyter_lab, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 

@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import nbengine as nb
-from dashboard_helpers import wait_until
+from support.requests import wait_until
 from nbengine.dashboard.chat_panel import ChatPanel
 from nbengine.request import RequestStatus
-from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA, make_tiny_model
+from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA
 
-from conftest import ENGINE_KW
+ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
 
 ENDLESS = nb.SamplingParams(ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def chat_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[nb.Engine]:
-    path = make_tiny_model(tmp_path_factory.mktemp("qwen") / "chat", "qwen2",
-                           chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA,
-                           max_position_embeddings=8192)
+def chat_engine(tiny_model_factory: Callable[..., Path]) -> Iterator[nb.Engine]:
+    path = tiny_model_factory("qwen2", chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA,
+                              max_position_embeddings=8192)
     with nb.Engine(str(path), **ENGINE_KW) as eng:
         yield eng
 

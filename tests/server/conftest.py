@@ -3,14 +3,14 @@ per module (the server on a free port, loopback, no key)."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import nbengine as nb
-from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA, make_tiny_model
+from support.requests import wait_until
+from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
@@ -20,10 +20,9 @@ ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=64, max_num_bat
 
 
 @pytest.fixture(scope="session")
-def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("qwen") / "chat", "qwen2",
-                           chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA,
-                           max_position_embeddings=8192)
+def chat_model(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("qwen2", chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA,
+                              max_position_embeddings=8192)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +45,4 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     if "engine" in request.fixturenames:
         eng: nb.Engine = request.getfixturevalue("engine")
         if eng.is_alive:
-            from server_util import wait_until
-
-            wait_until(lambda: eng.num_unfinished_requests() == 0, "requests finish")
-
-
-sys.path.insert(0, str(Path(__file__).parent))
+            wait_until(lambda: eng.num_unfinished_requests() == 0, what="requests finish")

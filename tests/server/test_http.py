@@ -10,9 +10,17 @@ import pytest
 
 import nbengine as nb
 
-from server_util import final_status, wait_until
+from support.requests import wait_until
 
 httpx = pytest.importorskip("httpx")
+
+
+def final_status(engine: nb.Engine, request_id: str) -> str | None:
+    """The finish reason of the latest incarnation of ``request_id`` (None while live)."""
+    stats = engine.request_stats()
+    rows = stats[stats["request_id"] == request_id]
+    reason = rows.iloc[-1]["finish_reason"] if not rows.empty else None
+    return reason if isinstance(reason, str) else None  # NaN while it runs
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -94,7 +102,7 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(server: object,
         httpx.post(server.url + "/completions", timeout=httpx.Timeout(5, read=0.5),
                    headers={"X-Request-Id": "gone"},
                    json={"prompt": "Once", "max_tokens": 4000, "ignore_eos": True})
-    wait_until(lambda: final_status(engine, "server:gone") is not None, "the abort")
+    wait_until(lambda: final_status(engine, "server:gone") is not None, what="the abort")
     assert final_status(engine, "server:gone") == "abort"
 
 
@@ -170,7 +178,7 @@ def test_stopping_the_server_ends_open_streams(engine: nb.Engine) -> None:
         assert next(lines).startswith("data: ")
         srv.stop()
         assert not srv.running
-    wait_until(lambda: final_status(engine, "server:cut") is not None, "the abort")
+    wait_until(lambda: final_status(engine, "server:cut") is not None, what="the abort")
     assert final_status(engine, "server:cut") == "abort"
 
 

@@ -6,9 +6,17 @@ import pytest
 
 import nbengine as nb
 
-from server_util import final_status, wait_until
+from support.requests import wait_until
 
 openai = pytest.importorskip("openai")
+
+
+def final_status(engine: nb.Engine, request_id: str) -> str | None:
+    """The finish reason of the latest incarnation of ``request_id`` (None while live)."""
+    stats = engine.request_stats()
+    rows = stats[stats["request_id"] == request_id]
+    reason = rows.iloc[-1]["finish_reason"] if not rows.empty else None
+    return reason if isinstance(reason, str) else None  # NaN while it runs
 
 CONV = [{"role": "system", "content": "You tell short stories."},
         {"role": "user", "content": "Once upon a time"}]
@@ -132,7 +140,7 @@ def test_closing_a_stream_aborts_its_request_and_frees_the_id(
             break
     stream.close()  # the client hangs up mid-reply
     engine_id = f"server:{rid}"
-    wait_until(lambda: final_status(engine, engine_id) is not None, "the engine ends it")
+    wait_until(lambda: final_status(engine, engine_id) is not None, what="the engine ends it")
     assert final_status(engine, engine_id) == "abort"
     stats = engine.request_stats()
     assert stats[stats["request_id"] == engine_id].iloc[-1]["output_tokens"] < 4000
