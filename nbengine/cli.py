@@ -1,4 +1,5 @@
-"""The ``nbengine`` command: ``demo``, ``generate``, ``bench``, ``tutorials``, ``install-kernel``.
+"""The ``nbengine`` command: ``demo``, ``generate``, ``bench``, ``serve``, ``tutorials``,
+``install-kernel``.
 
 A bad value (``--max-tokens 0``, a missing model directory, an empty prompt, ...) prints
 one line, ``nbengine: error: ...``, and exits with status 2, as argparse does for a
@@ -209,6 +210,7 @@ commands:
   demo            stream several prompts at once, cancel one, reuse its id
   generate        stream one completion of a prompt to the terminal
   bench           measure throughput and latency on this machine
+  serve           serve a model over an OpenAI-compatible HTTP API
   tutorials       open the tutorial notebooks in JupyterLab
   install-kernel  install the 'nbengine' Jupyter kernel (for the tutorials)
 
@@ -342,6 +344,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
 
+    from nbengine.server.cli import add_serve_parser
+
+    add_serve_parser(sub, [common], fmt)
+
     tut = sub.add_parser(
         "tutorials", parents=[common], formatter_class=fmt,
         help="open the tutorial notebooks in JupyterLab (on a copy)",
@@ -377,6 +383,10 @@ def _run(args: argparse.Namespace) -> int:
                             args.temperature, args.seed)
     if args.command == "bench":
         return run_bench_cli(args)
+    if args.command == "serve":
+        from nbengine.server.cli import run_serve
+
+        return run_serve(args)
     if args.command == "tutorials":
         from pathlib import Path
 

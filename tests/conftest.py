@@ -1,82 +1,84 @@
-"""Tests that must not be skipped quietly.
+"""Fixtures every suite shares, and tests that must not be skipped quietly.
 
-Some tests skip where the machine lacks what they need: the browser tests without
-``/usr/bin/chromium``, the native-kernel tests on a CPU without AVX-512 BF16. A quiet
-``s`` in the progress line hides that a promise was not checked, so a test marked
-``@pytest.mark.required`` (or ``browser``, which implies it) that skips is
+Fixtures (helpers without fixtures live in the ``support`` package, tests/support/):
 
-- listed in its own, red section of the terminal summary, with the reason; and
-- a failure instead when the environment variable ``NBENGINE_REQUIRE_ALL`` is ``1``
-  (``.ci/run`` sets it: on CI every required test must run).
+- ``tiny_model_factory(arch="llama", **config)``: a tiny random Hugging Face model
+  directory, written once per session for each distinct configuration;
+- ``tiny_model``: the suites' default tiny Llama (``support.models.TINY``); a suite that
+  needs another shape overrides this fixture with the factory;
+- ``make_engine(model=None, **kw)``: an ``nb.Engine`` on ``tiny_model`` (or ``model``)
+  that is shut down when the test ends, whatever happened;
+- ``one_torch_thread``: torch on one thread for the test (tiny ops are faster and steadier
+  on one thread of a shared 2-core machine).
+
+Required tests (``@pytest.mark.required``, or ``browser``): a skip is loud, and a failure
+on CI; the plugin is tests/support/required_tests.py.
 """
 
 from __future__ import annotations
 
-import os
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-REQUIRE_ALL_ENV = "NBENGINE_REQUIRE_ALL"
-REQUIRED_MARKERS = ("required", "browser")
+import nbengine as nb
+from nbengine.testing import make_tiny_model
 
-_skipped_key = pytest.StashKey[list[tuple[str, str]]]()
+from support.models import TINY
 
+# tests/test_required_skips.py runs pytest on pytest; required tests are loud when skipped.
+pytest_plugins = ["pytester", "support.required_tests"]
 
-def _is_required(item: pytest.Item) -> bool:
-    return any(item.get_closest_marker(m) is not None for m in REQUIRED_MARKERS)
-
-
-def _require_all() -> bool:
-    return os.environ.get(REQUIRE_ALL_ENV, "") == "1"
+# --- shared fixtures -------------------------------------------------------------------
 
 
-def _skip_reason(report: pytest.TestReport) -> str:
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, line, "Skipped: why")
-        return str(longrepr[2]).removeprefix("Skipped: ")
-    return str(longrepr)
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``factory(arch="llama", **config) -> Path``, one directory per distinct call."""
+    made: dict[str, Path] = {}
+
+    def factory(arch: str = "llama", **config: Any) -> Path:
+        key = json.dumps([arch, config], sort_keys=True, default=str)
+        if key not in made:
+            made[key] = make_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch=arch, **config)
+        return made[key]
+
+    return factory
 
 
-pytest_plugins = ["pytester"]  # tests/test_required_skips.py runs pytest on pytest
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory: Callable[..., Path]) -> Path:
+    """The default tiny random Llama of the engine-level suites."""
+    return tiny_model_factory("llama", **TINY)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "required: must run on CI; a skip is listed in the summary (tests/conftest.py)"
-    )
-    config.addinivalue_line("markers", "browser: drives JupyterLab in headless Chromium")
-    config.stash[_skipped_key] = []
+@pytest.fixture
+def make_engine(tiny_model: Path) -> Iterator[Callable[..., nb.Engine]]:
+    """``make_engine(model=None, **kw)``: engines of this test, all shut down after it."""
+    engines: list[nb.Engine] = []
+
+    def make(model: str | Path | None = None, **kw: Any) -> nb.Engine:
+        engines.append(nb.Engine(str(model or tiny_model), **kw))
+        return engines[-1]
+
+    try:
+        yield make
+    finally:
+        for eng in engines:
+            eng.shutdown()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    """Record (or, under NBENGINE_REQUIRE_ALL=1, fail) the skip of a required test."""
-    outcome = yield
-    report: pytest.TestReport = outcome.get_result()
-    if not report.skipped or not _is_required(item) or hasattr(report, "wasxfail"):
-        return
-    reason = _skip_reason(report)
-    if _require_all():
-        report.outcome = "failed"
-        report.longrepr = (
-            f"required test skipped ({REQUIRE_ALL_ENV}=1 makes this a failure): {reason}"
-        )
-    else:
-        item.config.stash[_skipped_key].append((item.nodeid, reason))
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
-                            exitstatus: int, config: pytest.Config) -> None:
-    """A red section naming every required test that was skipped, and why."""
-    skipped = config.stash.get(_skipped_key, [])
-    if not skipped:
-        return
-    tr = terminalreporter
-    tr.write_sep("!", f"{len(skipped)} REQUIRED TESTS SKIPPED: not checked here",
-                 red=True, bold=True)
-    for nodeid, reason in skipped:
-        tr.write_line(f"SKIPPED (required) {nodeid}: {reason}", red=True)
-    tr.write_line(
-        f"These run on CI, where {REQUIRE_ALL_ENV}=1 turns a skip into a failure "
-        "(README, 'Testing notes').", yellow=True,
-    )
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the test: OpenMP barriers between two threads cost
+    milliseconds when the other core of a shared 2-core machine is busy."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

@@ -1,5 +1,6 @@
 """A skipped required test is loud: its own summary section, and a failure under
-NBENGINE_REQUIRE_ALL=1 (tests/conftest.py), checked by running pytest on a small suite."""
+NBENGINE_REQUIRE_ALL=1 (tests/support/required_tests.py), checked by running pytest on a
+small suite with that plugin."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-CONFTEST = Path(__file__).with_name("conftest.py")
+TESTS = Path(__file__).parent  # holds the ``support`` package the plugin lives in
 
 SUITE = """
 import pytest
@@ -30,9 +31,10 @@ def test_runs():
 
 
 @pytest.fixture
-def suite(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makeconftest(CONFTEST.read_text())
+def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    pytester.makeconftest('pytest_plugins = ["support.required_tests"]\n')
     pytester.makepyfile(test_suite=SUITE)
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the pytest subprocess imports support
     return pytester
 
 

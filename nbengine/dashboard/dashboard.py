@@ -1,6 +1,7 @@
 """``engine.dashboard()``: the live engine dashboard.
 
-Parts: a table of requests (id, status badge, tokens, TTFT, age, a Cancel button per
+Parts: a table of requests (id, status badge, tokens, TTFT, age, source: "notebook",
+"server", "chat", ... (nbengine/request_source.py), a Cancel button per
 live row), a "Cancel all" button, the KV cache usage (a progress bar with blocks used /
 total and the prefix-cache hit rate) and plotly ``FigureWidget`` charts of throughput
 and running/waiting counts over time.
@@ -23,6 +24,7 @@ import ipywidgets as widgets
 from nbengine.dashboard.style import badge_html, constraint_tag_html, format_seconds
 from nbengine.dashboard.traits import TraitWriter
 from nbengine.request import RequestStatus
+from nbengine.request_source import request_source
 
 if TYPE_CHECKING:
     from nbengine.dashboard.monitor import EngineMonitor
@@ -37,7 +39,7 @@ THROUGHPUT_BIN_S = 1.0
 MAX_CHART_POINTS = 400
 
 _COLS = (("request", "150px"), ("status", "190px"), ("tokens", "70px"), ("TTFT", "80px"),
-         ("age", "80px"), ("", "90px"))
+         ("age", "80px"), ("source", "80px"), ("", "90px"))
 def _cell(text: str, width: str, cls: str) -> widgets.HTML:
     w = widgets.HTML(text, layout=widgets.Layout(width=width))
     w.add_class(cls)
@@ -56,12 +58,14 @@ class _Row:
         self.tokens = _cell("", _COLS[2][1], "nbengine-row-tokens")
         self.ttft = _cell("", _COLS[3][1], "nbengine-row-ttft")
         self.age = _cell("", _COLS[4][1], "nbengine-row-age")
+        self.source = _cell("", _COLS[5][1], "nbengine-row-source")
         self.cancel = widgets.Button(
-            description="Cancel", button_style="danger", layout=widgets.Layout(width=_COLS[5][1])
+            description="Cancel", button_style="danger", layout=widgets.Layout(width=_COLS[6][1])
         )
         self.cancel.add_class("nbengine-row-cancel")
         self.box = widgets.HBox(
-            [self.id_cell, self.badge, self.tokens, self.ttft, self.age, self.cancel],
+            [self.id_cell, self.badge, self.tokens, self.ttft, self.age, self.source,
+             self.cancel],
             layout=widgets.Layout(display="none", align_items="center"),
         )
         self.box.add_class("nbengine-row")
@@ -235,6 +239,7 @@ class DashboardView:
         self._set(row.id_cell, "value",
                   f'<span style="font-family:monospace">{html.escape(r.request_id)}</span>'
                   + constraint_tag_html(r.constraint))
+        self._set(row.source, "value", html.escape(request_source(r.request_id)))
         self._set(row.badge, "value", badge_html(status))
         self._set(row.tokens, "value", str(r.output_tokens))
         self._set(row.ttft, "value", format_seconds(r.ttft))

@@ -41,6 +41,9 @@ from nbengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from nbengine.dashboard.chat_panel import ChatPanel
+    from nbengine.server import Server
     import plotly.graph_objects as go
 
     from nbengine.core.engine_core import EngineCore, RunnerLike
@@ -353,6 +356,28 @@ class Engine:
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs, tools=tools,
         )
+
+    def serve(
+        self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+        **kwargs: Any,
+    ) -> Server:
+        """Start an OpenAI-compatible HTTP server on this engine; return it once it listens.
+
+        ``server.url`` is the API's base URL, ``server.stop()`` (or ``with``) stops it.
+        Binding a non-loopback ``host`` requires ``api_key``. Needs the ``serve`` extra.
+        Keyword options (``model_name``, ``max_request_bytes``, ``max_tokens``): see
+        docs/serving.md.
+        """
+        from nbengine.server import serve
+
+        return serve(self, host, port, api_key, **kwargs)
+
+    def chat_ui(self, **kwargs: Any) -> ChatPanel:
+        """A chat panel widget on this engine: messages, Send, Stop, Regenerate, a system
+        prompt, temperature and max-tokens; ``panel.messages`` is the conversation."""
+        from nbengine.dashboard.chat_panel import ChatPanel
+
+        return ChatPanel(self, **kwargs)
 
     def _normalise_ids(self, request_ids: str | Iterable[str]) -> tuple[list[str], bool]:
         if isinstance(request_ids, str):

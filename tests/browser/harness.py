@@ -379,3 +379,20 @@ class NotebookPage:
         path = self.screenshot_dir / f"{name}.png"
         self.page.screenshot(path=str(path), full_page=False)
         return path
+
+
+@contextlib.contextmanager
+def evidence_on_failure(page: NotebookPage, server: LabServer, name: str) -> Iterator[None]:
+    """On any failure inside the block: save screenshot ``name`` and print the server log.
+
+    The screenshot is best effort (the page may be gone); the original error propagates.
+    """
+    try:
+        yield
+    except BaseException:
+        try:
+            page.screenshot(name)
+        except Exception:  # noqa: BLE001 - best effort; the real error follows
+            pass
+        print(server.log_tail(), file=sys.stderr)
+        raise

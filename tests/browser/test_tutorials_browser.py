@@ -17,19 +17,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from harness import (  # noqa: E402
+from harness import (
     CHROMIUM,
     CHROMIUM_ARGS,
     LabServer,
     NotebookPage,
+    evidence_on_failure,
     jupyter_lab,
 )
 
@@ -165,44 +164,38 @@ def test_every_chart_draws_its_data(lab: tuple[LabServer, Any], name: str) -> No
     p = NotebookPage(page, SCREENSHOTS)
     stem = Path(name).stem
     try:
-        page.goto(server.notebook_url(name))
-        p.wait_ready(server, timeout_s=240)
-        _run_all(p, timeout_s=480)
-        # No cell failed or wrote to stderr (the shipped outputs have neither).
-        errors = p.panel.locator(
-            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-        assert errors.count() == 0, errors.first.inner_text()
-        expected = EXPECTED_CHARTS[name]
-        # Every chart drawn: the live charts refresh about twice a second until the
-        # engine's shutdown shows its final state, so poll the condition.
-        try:
-            page.wait_for_function(
-                f"""() => {{
-                    const charts = ({_CHARTS_JS})();
-                    return charts.length >= {expected} && charts.every((c) =>
-                        c.titles.length > 0 && c.traces.length > 0 &&
-                        c.traces.every((t) => t.drawn));
-                }}""",
-                timeout=60_000,
-            )
-        except Exception:  # noqa: BLE001 - the assertions below say what is missing
-            pass
-        charts = page.evaluate(_CHARTS_JS)
-        for k in range(len(charts)):
-            plot = p.panel.locator(".js-plotly-plot").nth(k)
-            plot.scroll_into_view_if_needed()
-            plot.screenshot(path=str(SCREENSHOTS / f"{stem}-chart-{k}.png"))
-        assert len(charts) == expected, charts
-        for chart in charts:
-            assert chart["titles"], f"a chart has no title: {charts}"
-            assert chart["traces"] and all(t["drawn"] for t in chart["traces"]), (
-                f"a chart does not draw its data: {charts}")
-    except BaseException:
-        try:
-            p.screenshot(f"{stem}-failure")
-        except Exception:  # noqa: BLE001 - best effort; the real error follows
-            pass
-        print(server.log_tail(), file=sys.stderr)
-        raise
+        with evidence_on_failure(p, server, f"{stem}-failure"):
+            page.goto(server.notebook_url(name))
+            p.wait_ready(server, timeout_s=240)
+            _run_all(p, timeout_s=480)
+            # No cell failed or wrote to stderr (the shipped outputs have neither).
+            errors = p.panel.locator(
+                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            assert errors.count() == 0, errors.first.inner_text()
+            expected = EXPECTED_CHARTS[name]
+            # Every chart drawn: the live charts refresh about twice a second until the
+            # engine's shutdown shows its final state, so poll the condition.
+            try:
+                page.wait_for_function(
+                    f"""() => {{
+                        const charts = ({_CHARTS_JS})();
+                        return charts.length >= {expected} && charts.every((c) =>
+                            c.titles.length > 0 && c.traces.length > 0 &&
+                            c.traces.every((t) => t.drawn));
+                    }}""",
+                    timeout=60_000,
+                )
+            except Exception:  # noqa: BLE001 - the assertions below say what is missing
+                pass
+            charts = page.evaluate(_CHARTS_JS)
+            for k in range(len(charts)):
+                plot = p.panel.locator(".js-plotly-plot").nth(k)
+                plot.scroll_into_view_if_needed()
+                plot.screenshot(path=str(SCREENSHOTS / f"{stem}-chart-{k}.png"))
+            assert len(charts) == expected, charts
+            for chart in charts:
+                assert chart["titles"], f"a chart has no title: {charts}"
+                assert chart["traces"] and all(t["drawn"] for t in chart["traces"]), (
+                    f"a chart does not draw its data: {charts}")
     finally:
         page.close()

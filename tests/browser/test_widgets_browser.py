@@ -25,8 +25,14 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from harness import CHROMIUM, CHROMIUM_ARGS, NotebookPage, jupyter_lab, write_notebook  # noqa: E402
+from harness import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    NotebookPage,
+    evidence_on_failure,
+    jupyter_lab,
+    write_notebook,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -126,16 +132,10 @@ def test_widgets_in_jupyterlab(tmp_path: Path) -> None:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         nb_page = NotebookPage(page, SCREENSHOTS)
         try:
-            page.goto(server.notebook_url("widgets.ipynb"))
-            nb_page.wait_ready(server)
-            _run_stages(nb_page)
-        except BaseException:
-            try:
-                nb_page.screenshot("failure")
-            except Exception:  # noqa: BLE001 - best effort; the real error follows
-                pass
-            print(server.log_tail(), file=sys.stderr)
-            raise
+            with evidence_on_failure(nb_page, server, "failure"):
+                page.goto(server.notebook_url("widgets.ipynb"))
+                nb_page.wait_ready(server)
+                _run_stages(nb_page)
         finally:
             browser.close()
 

@@ -7,7 +7,7 @@ import re
 import plotly.graph_objects as go
 
 import nbengine as nb
-from dashboard_helpers import long_params, wait_until
+from support.requests import long_params, wait_until
 from nbengine.dashboard.dashboard import Dashboard
 from nbengine.request import RequestStatus
 
@@ -113,3 +113,20 @@ def test_replica_health_line_shows_the_core_and_its_death() -> None:
             engine.shutdown()
         # The final refresh at shutdown shows the core as down.
         assert "replica 0 (inproc): down" in dash.replicas.value
+
+
+def test_source_column_tells_server_requests_from_the_notebook(engine: nb.Engine) -> None:
+    dash = engine.dashboard()
+    mine = engine.generate("Once upon a time", long_params(), request_id="src-nb")
+    served = engine.generate("Once upon a time", long_params(), request_id="server:src-http")
+    try:
+        def sources() -> dict[str, str]:
+            return {re.sub("<[^>]+>", "", r.id_cell.value): r.source.value
+                    for r in dash.rows if r.box.layout.display != "none"}
+
+        wait_until(lambda: {"src-nb", "server:src-http"} <= sources().keys(), what="both rows")
+        assert sources()["src-nb"] == "notebook"
+        assert sources()["server:src-http"] == "server"
+    finally:
+        mine.cancel()
+        served.cancel()

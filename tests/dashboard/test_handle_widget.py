@@ -8,7 +8,7 @@ import ipywidgets as widgets
 import pytest
 
 import nbengine as nb
-from dashboard_helpers import long_params, wait_until
+from support.requests import long_params, wait_until
 from nbengine.dashboard import handle_widget
 from nbengine.dashboard.handle_widget import HandleWidget
 from nbengine.dashboard.stream_text import StreamingText

@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 import nbengine as nb
-from dashboard_helpers import long_params, wait_until
+from support.requests import long_params, wait_until
 from nbengine.dashboard.timeline import plot_timeline
 from nbengine.frontend.events import LifecycleEvent
 from nbengine.request import RequestStatus as S

@@ -7,7 +7,7 @@ import threading
 import ipywidgets as widgets
 
 import nbengine as nb
-from dashboard_helpers import long_params, wait_until
+from support.requests import long_params, wait_until
 from nbengine.dashboard.updater import UIUpdater
 from nbengine.request import RequestStatus
 

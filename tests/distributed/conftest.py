@@ -1,4 +1,4 @@
-"""A two-node local Ray cluster (one per test module that asks for it) and a tiny model.
+"""A two-node local Ray cluster (one per test module that asks for it).
 
 The cluster is kept light for a 2-core machine: one CPU per node, a 100 MB object
 store, no dashboard, worker logs not forwarded to the driver.
@@ -17,14 +17,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-from nbengine.testing import make_tiny_model
-
-from dist_util import TINY
 
 for _k, _v in {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -38,11 +33,6 @@ for _k, _v in {
     os.environ.setdefault(_k, _v)
 
 _STORE = 100 * 1024 * 1024
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", **TINY)
 
 
 @pytest.fixture(scope="module")

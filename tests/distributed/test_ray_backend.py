@@ -24,20 +24,10 @@ import nbengine as nb  # noqa: E402
 from nbengine import RequestOutputKind as Kind  # noqa: E402
 from nbengine import RequestStatus as S  # noqa: E402
 
-from dist_util import ENGINE_KW  # noqa: E402
+from support.requests import WAIT_S, long_params, wait_first_token  # noqa: E402
+from support.scenarios import abort_and_readd_race
 
-WAIT_S = 60.0
-
-
-def long_params(**kw: Any) -> nb.SamplingParams:
-    return nb.SamplingParams(max_tokens=100_000, ignore_eos=True, **kw)
-
-
-def wait_first_token(h: nb.RequestHandle) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not h.token_ids:
-        assert time.monotonic() < deadline and not h.done()
-        time.sleep(0.002)
+ENGINE_KW = dict(num_kv_blocks=512, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
 
 
 def replica_of(engine: nb.Engine, h: nb.RequestHandle) -> int:
@@ -166,25 +156,7 @@ def test_readd_while_abort_pending_is_rejected(engine: nb.Engine, tmp_path: Path
 
 
 def test_readd_race_stress_never_mixes(engine: nb.Engine) -> None:
-    for _ in range(8):
-        h = engine.generate("Once", long_params(), request_id="race2")
-        wait_first_token(h)
-        t = threading.Thread(target=engine.abort, args=("race2",))
-        t.start()
-        while True:
-            try:
-                new = engine.generate("Once", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                                      request_id="race2")
-            except nb.RequestIdInUseError:
-                time.sleep(0.0005)
-                continue
-            assert h.done()  # accepted only once the old incarnation was final
-            break
-        t.join(WAIT_S)
-        r = new.result(timeout=WAIT_S)
-        assert len(r.outputs[0].token_ids) == 3 and r.outputs[0].finish_reason == "length"
-        assert h.final_output is not None
-        assert h.final_output.outputs[0].finish_reason == "abort"
+    abort_and_readd_race(engine, "race2", rounds=8)
 
 
 def test_stop_string_then_immediate_reuse(engine: nb.Engine) -> None:

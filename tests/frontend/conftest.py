@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny random model per session, one engine per module."""
+"""The frontend suites' engine: one per module, on the shared tiny model (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 
 import nbengine as nb
-from nbengine.testing import make_tiny_model
 
-from fe_util import ENGINE_KW, TINY
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", **TINY)
+from support.models import ENGINE_KW
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

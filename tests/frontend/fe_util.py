@@ -1,13 +1,8 @@
-"""Helpers shared by the frontend tests."""
+"""Byte-level token helpers of the frontend tests (the detokenizer's edge cases)."""
 
 from __future__ import annotations
 
-import nbengine as nb
 from nbengine.model.tokenizer import Tokenizer
-from nbengine.testing import TINY_LLAMA
-
-TINY = {**TINY_LLAMA, "max_position_embeddings": 8192}
-ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
 
 
 def byte_token_ids(tok: Tokenizer, data: bytes) -> list[int]:
@@ -30,7 +25,3 @@ def byte_token_ids(tok: Tokenizer, data: bytes) -> list[int]:
     assert all(i is not None for i in ids)
     return ids
 
-
-def long_params(**kw: object) -> nb.SamplingParams:
-    """A request that runs until aborted."""
-    return nb.SamplingParams(max_tokens=100_000, ignore_eos=True, **kw)  # type: ignore[arg-type]

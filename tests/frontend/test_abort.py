@@ -12,20 +12,13 @@ import nbengine as nb
 from nbengine import RequestOutputKind as Kind
 from nbengine import RequestStatus as S
 
-from fe_util import long_params
+from support.requests import long_params, wait_first_token
+from support.scenarios import abort_and_readd_race
 
 
 def first_output(h: nb.RequestHandle):
     it = iter(h)
     return it, next(it)
-
-
-def wait_first_token(h: nb.RequestHandle) -> None:
-    """Wait (without consuming the stream) until the request has produced a token."""
-    deadline = time.monotonic() + 60
-    while not h.token_ids:
-        assert time.monotonic() < deadline and not h.done()
-        time.sleep(0.001)
 
 
 def test_abort_list_ends_streams_normally_with_abort_output(engine: nb.Engine) -> None:
@@ -122,27 +115,7 @@ def test_readd_while_abort_pending_is_rejected(engine: nb.Engine) -> None:
 
 
 def test_readd_race_stress_never_mixes(engine: nb.Engine) -> None:
-    """Re-add as fast as possible while another thread aborts: a re-add is accepted only
-    after the old incarnation is confirmed gone, and the new one always runs in full."""
-    for _ in range(15):
-        h = engine.generate("Once", long_params(), request_id="race2")
-        wait_first_token(h)
-        t = threading.Thread(target=engine.abort, args=("race2",))
-        t.start()
-        while True:
-            try:
-                new = engine.generate("Once", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                                      request_id="race2")
-            except nb.RequestIdInUseError:
-                time.sleep(0.0002)
-                continue
-            assert h.done()  # accepted only once the old incarnation was final
-            break
-        t.join(30)
-        r = new.result()
-        assert len(r.outputs[0].token_ids) == 3 and r.outputs[0].finish_reason == "length"
-        assert h.final_output is not None
-        assert h.final_output.outputs[0].finish_reason == "abort"
+    abort_and_readd_race(engine, "race2", rounds=15)
 
 
 def test_result_timeout_raises_and_request_keeps_running(engine: nb.Engine) -> None:
@@ -227,7 +200,7 @@ def test_keyboard_interrupt_inside_generate_leaves_no_request(
 def test_keyboard_interrupt_inside_llm_generate_leaves_no_request(
     tiny_model, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
-    from fe_util import ENGINE_KW
+    from support.models import ENGINE_KW
 
     with nb.LLM(str(tiny_model), **ENGINE_KW) as llm:
         _interrupt_after_registration(llm.engine, monkeypatch, on_call=2)

@@ -11,7 +11,7 @@ import trio
 import nbengine as nb
 from nbengine import RequestOutputKind as Kind
 
-from fe_util import long_params
+from support.requests import long_params
 
 
 def run_in_thread(fn, *args):

@@ -14,7 +14,7 @@ import nbengine as nb
 from nbengine import RequestOutputKind as Kind
 from nbengine import RequestStatus as S
 
-from fe_util import long_params
+from support.requests import long_params
 
 TRIALS = 100
 

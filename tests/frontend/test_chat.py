@@ -11,7 +11,7 @@ import nbengine as nb
 from nbengine.model.chat_template import NoChatTemplateError
 from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA, make_tiny_model
 
-from fe_util import ENGINE_KW
+from support.models import ENGINE_KW
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ import pytest
 
 import nbengine as nb
 
-from fe_util import ENGINE_KW
+from support.models import ENGINE_KW
 
 
 def _sampled(engine: nb.Engine) -> list[int]:

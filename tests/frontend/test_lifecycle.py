@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,9 @@ from nbengine import RequestOutputKind as Kind
 from nbengine.config import EngineConfig
 from nbengine.model.runner import ModelRunner
 
-from fe_util import ENGINE_KW, long_params
-
-
-def engine_threads() -> set[str]:
-    return {t.name for t in threading.enumerate() if t.name.startswith("nbengine-")}
+from support.models import ENGINE_KW
+from support.requests import long_params
+from support.threads import engine_threads
 
 
 def test_validation_errors_leave_no_state(engine: nb.Engine) -> None:
@@ -43,7 +40,7 @@ def test_validation_errors_leave_no_state(engine: nb.Engine) -> None:
 
 
 def test_engine_threads_are_named(engine: nb.Engine) -> None:
-    assert {"nbengine-loop", "nbengine-core"} <= engine_threads()
+    assert {"nbengine-loop", "nbengine-core"} <= {t.name for t in engine_threads()}
     assert engine.config.scheduler.max_num_seqs == ENGINE_KW["max_num_seqs"]
 
 

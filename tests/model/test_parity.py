@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-import torch
 from nbe_driver import Driver
 
-from nbengine.config import EngineConfig
-from nbengine.model.runner import ModelRunner
 from nbengine.sampling_params import SamplingParams
 from nbengine.testing import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
+from parity_setup import ParitySetup  # noqa: E402  (imports transformers)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -32,59 +29,38 @@ TEXTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog and th
 N_NEW = 20
 
 
-class Setup:
-    def __init__(self, path: Path) -> None:
-        self.runner = ModelRunner(EngineConfig.from_kwargs(
-            path, dtype="float32", block_size=4, num_kv_blocks=96, max_num_seqs=8))
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.prompts = [self.runner.tokenizer.encode(t) for t in TEXTS]
-        self._ref: dict[int, list[int]] = {}
-
-    def hf_greedy(self, i: int) -> list[int]:
-        if i not in self._ref:
-            p = self.prompts[i]
-            with torch.no_grad():
-                out = self.hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)
-            self._ref[i] = out[0, len(p):].tolist()
-        return self._ref[i]
-
-    def hf_logprobs(self, ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return self.hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-
-
 @pytest.fixture(scope="module", params=list(CASES))
-def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Setup:
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ParitySetup:
     arch, cfg = CASES[request.param]
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch, seed=1, **cfg)
-    return Setup(path)
+    return ParitySetup(path, TEXTS, N_NEW)
 
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def test_single_prompt_greedy_matches_transformers(setup: Setup) -> None:
+def test_single_prompt_greedy_matches_transformers(setup: ParitySetup) -> None:
     got = Driver(setup.runner).generate([setup.prompts[0]], GREEDY, N_NEW)[0]
     ref = setup.hf_greedy(0)
     assert got == ref
     assert len(set(ref)) > 3, "tiny model should not repeat one token"
 
 
-def test_batch_of_three_decoded_together_matches_transformers(setup: Setup) -> None:
+def test_batch_of_three_decoded_together_matches_transformers(setup: ParitySetup) -> None:
     d = Driver(setup.runner)
     got = d.generate(setup.prompts, GREEDY, N_NEW)
     assert got == [setup.hf_greedy(i) for i in range(3)]
     assert any(sum(c.num_tokens == 1 for c in b.chunks) >= 3 for b in d.steps), "decodes were batched"
 
 
-def test_chunked_prefill_matches_transformers(setup: Setup) -> None:
+def test_chunked_prefill_matches_transformers(setup: ParitySetup) -> None:
     d = Driver(setup.runner, chunk_size=3)
     got = d.generate(setup.prompts, GREEDY, N_NEW)
     assert got == [setup.hf_greedy(i) for i in range(3)]
     assert any(c.start_pos > 0 and c.num_tokens > 1 for b in d.steps for c in b.chunks)
 
 
-def test_prompt_and_sample_logprobs_match_transformers(setup: Setup) -> None:
+def test_prompt_and_sample_logprobs_match_transformers(setup: ParitySetup) -> None:
     d = Driver(setup.runner, chunk_size=5)
     t = d.add(setup.prompts[1], SamplingParams(temperature=0.0, logprobs=4, prompt_logprobs=3), 6)
     d.run()
@@ -108,7 +84,7 @@ def test_prompt_and_sample_logprobs_match_transformers(setup: Setup) -> None:
             assert abs(v.logprob - float(row[k])) < 1e-4
 
 
-def test_seeded_sampling_same_alone_and_in_a_batch(setup: Setup) -> None:
+def test_seeded_sampling_same_alone_and_in_a_batch(setup: ParitySetup) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
     alone = Driver(setup.runner).generate([setup.prompts[0]], params, 12)[0]
     d = Driver(setup.runner)

@@ -15,10 +15,10 @@ from hf_tiny import make_hf_model
 from nbe_driver import Driver
 
 from nbengine.config import EngineConfig
-from nbengine.model.runner import ModelRunner
 from nbengine.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
+from parity_setup import ParitySetup  # noqa: E402  (imports transformers)
 
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
             "long_factor": [1.0 + 0.7 * i for i in range(6)]}
@@ -64,38 +64,18 @@ N_NEW = 20
 GREEDY = SamplingParams(temperature=0.0)
 
 
-class Setup:
-    def __init__(self, path: Path, **runner: Any) -> None:
-        self.runner = ModelRunner(EngineConfig.from_kwargs(
-            path, dtype="float32", block_size=4, num_kv_blocks=96, max_num_seqs=8, **runner))
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager").eval()
-        self.hf.generation_config.eos_token_id = None  # never stop early
-        self.prompts = [self.runner.tokenizer.encode(t) for t in TEXTS]
-        self._ref: dict[int, list[int]] = {}
-
-    def hf_greedy(self, i: int) -> list[int]:
-        if i not in self._ref:
-            p = self.prompts[i]
-            with torch.no_grad():
-                out = self.hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False,
-                                       pad_token_id=0)
-            self._ref[i] = out[0, len(p):].tolist()
-        return self._ref[i]
-
-
 @pytest.fixture(scope="module", params=list(CASES))
-def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Setup:
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ParitySetup:
     arch, cfg, runner = CASES[request.param]
     path = make_hf_model(tmp_path_factory.mktemp(request.param), arch, seed=1, **cfg)
-    return Setup(path, **runner)
+    return ParitySetup(path, TEXTS, N_NEW, hf_attn="eager", stop_at_eos=False, **runner)
 
 
 def test_prompts_cross_the_window() -> None:
     assert len(TEXTS[0]) > 40  # the long prompt alone spans several 8-token windows
 
 
-def test_layer_windows_are_the_ones_transformers_uses(setup: Setup) -> None:
+def test_layer_windows_are_the_ones_transformers_uses(setup: ParitySetup) -> None:
     cfg = setup.hf.config
     n = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
@@ -104,7 +84,7 @@ def test_layer_windows_are_the_ones_transformers_uses(setup: Setup) -> None:
     assert setup.runner.model.layer_windows == expected
 
 
-def test_greedy_matches_transformers(setup: Setup) -> None:
+def test_greedy_matches_transformers(setup: ParitySetup) -> None:
     assert len(setup.prompts[0]) > 8
     got = Driver(setup.runner, stop_at_eos=False).generate(setup.prompts, GREEDY, N_NEW)
     refs = [setup.hf_greedy(i) for i in range(3)]
@@ -112,7 +92,7 @@ def test_greedy_matches_transformers(setup: Setup) -> None:
     assert len(set(refs[0])) > 3, "tiny model should not repeat one token"
 
 
-def test_chunked_prefill_matches_transformers(setup: Setup) -> None:
+def test_chunked_prefill_matches_transformers(setup: ParitySetup) -> None:
     d = Driver(setup.runner, chunk_size=3, stop_at_eos=False)
     got = d.generate(setup.prompts, GREEDY, N_NEW)
     assert got == [setup.hf_greedy(i) for i in range(3)]
@@ -151,7 +131,7 @@ def test_engine_frees_blocks_behind_the_window_and_matches_transformers(
         case: str, tmp_path: Path) -> None:
     arch, cfg, _ = CASES[case]
     path = make_hf_model(tmp_path / case, arch, seed=2, **cfg)
-    s = Setup(path)
+    s = ParitySetup(path, TEXTS, N_NEW, hf_attn="eager", stop_at_eos=False)
     long = s.prompts[0] * 2  # about 40 tokens: ten blocks, five windows
     prompts = {"a": long, "b": long[:30] + s.prompts[1], "c": long + s.prompts[2]}
     got, most, hits = _engine_greedy(path, prompts, max_num_batched_tokens=8)
@@ -175,7 +155,7 @@ def test_phi3_longrope_long_factors_match_transformers_past_the_original_length(
     # apply everywhere, as in transformers for a prompt already past 8 tokens.
     path = make_hf_model(tmp_path / "phi3", "phi3", seed=3, partial_rotary_factor=0.75,
                          original_max_position_embeddings=8, rope_scaling=LONGROPE)
-    s = Setup(path)
+    s = ParitySetup(path, TEXTS, N_NEW, hf_attn="eager", stop_at_eos=False)
     from nbengine.ops.rotary import rope_parameters
 
     spec = {**LONGROPE, "original_max_position_embeddings": 8}
@@ -200,7 +180,7 @@ def test_gemma3_legacy_config_fields_match_transformers(tmp_path: Path) -> None:
     cfg.update(rope_theta=1000.0, rope_local_base_freq=10.0, sliding_window_pattern=2,
                rope_scaling={"rope_type": "linear", "factor": 2.0})
     (path / "config.json").write_text(json.dumps(cfg))
-    s = Setup(path)
+    s = ParitySetup(path, TEXTS, N_NEW, hf_attn="eager", stop_at_eos=False)
     assert s.runner.model.layer_windows == (8, None, 8, None)
     got = Driver(s.runner, chunk_size=5, stop_at_eos=False).generate(s.prompts, GREEDY, N_NEW)
     assert got == [s.hf_greedy(i) for i in range(3)]

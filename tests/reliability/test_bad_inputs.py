@@ -17,7 +17,10 @@ import pytest
 import nbengine as nb
 from nbengine.model.errors import ModelLoadError
 
-from .conftest import ENGINE_KW, WAIT_S, assert_quiescent
+from support.engine_state import assert_quiescent
+from support.requests import WAIT_S
+
+from .sizes import ENGINE_KW
 
 SP = nb.SamplingParams
 

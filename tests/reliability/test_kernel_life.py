@@ -22,7 +22,7 @@ from jupyter_client.manager import KernelManager
 
 from nbengine.testing import make_tiny_model
 
-from .conftest import ENGINE_KW, TINY
+from .sizes import ENGINE_KW, TINY
 
 pytestmark = pytest.mark.slow
 CELL_TIMEOUT = 120.0

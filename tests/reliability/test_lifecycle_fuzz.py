@@ -43,13 +43,13 @@ from hypothesis.stateful import (
 import nbengine as nb
 from nbengine.request import RequestStatus
 
-from .conftest import (
-    WAIT_S,
+from support.engine_state import (
     assert_core_within_frontend,
     assert_quiescent,
     call_with_timeout,
-    engine_threads,
 )
+from support.requests import WAIT_S
+from support.threads import engine_threads
 
 SP = nb.SamplingParams
 KINDS = list(nb.RequestOutputKind)

@@ -1,0 +1,173 @@
+"""The OpenAI server's overhead against calling the engine in-process (docs/benchmarks.md).
+
+For 1 and 32 concurrent streams of the same greedy requests (``ignore_eos``, fixed
+``max_tokens``), measure the aggregate output tokens/s and the time to first token:
+
+- in-process: ``async for out in engine.generate(...)`` on an asyncio loop in the
+  engine's own process, as a notebook cell does;
+- server: ``/v1/completions`` with ``stream: true`` over HTTP from a separate client
+  process (httpx), as an application would call it. The client's own cost is off the
+  engine's process, as it would be in production.
+
+Rounds alternate the two modes (in-process, server, in-process, ...) so that a change in
+the machine's load hits both; the median of the rounds is reported.
+
+    .venv/bin/python scripts/bench_server.py --model smollm --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+PROMPT = "Once upon a time, in a small village at the edge of a great forest,"
+
+
+def _summary(starts: list[float], firsts: list[float], ends: list[float],
+             tokens: list[int]) -> dict[str, float]:
+    ttft = [f - s for s, f in zip(starts, firsts)]
+    wall = max(ends) - min(starts)
+    return {"tok_s": sum(tokens) / wall, "ttft_mean": statistics.mean(ttft),
+            "ttft_p50": statistics.median(ttft), "tokens": float(sum(tokens))}
+
+
+async def _in_process(engine: Any, streams: int, max_tokens: int) -> dict[str, float]:
+    import nbengine as nb
+
+    params = nb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                               output_kind=nb.RequestOutputKind.DELTA)
+    starts, firsts, ends, tokens = [], [], [], []
+
+    async def one() -> None:
+        t0 = time.perf_counter()
+        first, n = None, 0
+        async for out in engine.generate(PROMPT, params):
+            k = len(out.outputs[0].token_ids)
+            if k and first is None:
+                first = time.perf_counter()
+            n += k
+        starts.append(t0)
+        firsts.append(first)
+        ends.append(time.perf_counter())
+        tokens.append(n)
+
+    await asyncio.gather(*(one() for _ in range(streams)))
+    return _summary(starts, firsts, ends, tokens)
+
+
+async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    starts, firsts, ends, tokens = [], [], [], []
+
+    async def one(client: Any) -> None:
+        t0 = time.perf_counter()
+        first, n = None, 0
+        async with client.stream("POST", url + "/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                # The first chunk carries the first token (its text may still be empty:
+                # the detokenizer holds back an incomplete UTF-8 sequence), as in-process.
+                if chunk["choices"] and first is None:
+                    first = time.perf_counter()
+                if chunk.get("usage"):
+                    n = chunk["usage"]["completion_tokens"]
+        starts.append(t0)
+        firsts.append(first if first is not None else time.perf_counter())
+        ends.append(time.perf_counter())
+        tokens.append(n)
+
+    limits = httpx.Limits(max_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        # Open the connections first (an application keeps them open): short requests.
+        await asyncio.gather(*(client.post(url + "/completions", json={
+            "prompt": PROMPT, "max_tokens": 1}) for _ in range(streams)))
+        starts.clear(), firsts.clear(), ends.clear(), tokens.clear()
+        await asyncio.gather(*(one(client) for _ in range(streams)))
+    return _summary(starts, firsts, ends, tokens)
+
+
+def _server_round(url: str, streams: int, max_tokens: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--client", url, "--streams", str(streams),
+                          "--max-tokens", str(max_tokens)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm",
+                    help="'smollm' (random weights in SmolLM2-135M's shape), 'default' (the "
+                         "shipped model), or a model directory")
+    ap.add_argument("--streams", default="1,32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the server's stream_interval (tokens per chunk after the first)")
+    ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.client:
+        print(json.dumps(asyncio.run(_client(args.client, int(args.streams), args.max_tokens))))
+        return
+
+    import nbengine as nb
+
+    model: str | None
+    if args.model == "smollm":
+        from nbengine.bench import bench_model_dir
+
+        model = str(bench_model_dir())
+    elif args.model == "default":
+        model = None
+    else:
+        model = args.model
+    counts = [int(s) for s in args.streams.split(",")]
+    with nb.Engine(model, max_num_seqs=max(counts)) as engine, engine.serve(
+            port=0, stream_interval=args.stream_interval) as server:
+        asyncio.run(_in_process(engine, 2, 8))  # warm-up (native kernels, allocator)
+        _server_round(server.url, 2, 8)
+        rows = []
+        for streams in counts:
+            local, remote = [], []
+            for _ in range(args.rounds):
+                c0 = time.process_time()
+                local.append(asyncio.run(_in_process(engine, streams, args.max_tokens)))
+                local[-1]["cpu_us_per_tok"] = (time.process_time() - c0) / local[-1]["tokens"] * 1e6
+                c0 = time.process_time()
+                remote.append(_server_round(server.url, streams, args.max_tokens))
+                remote[-1]["cpu_us_per_tok"] = (time.process_time() - c0) / remote[-1]["tokens"] * 1e6
+            med = {k: {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+                   for k, runs in (("in-process", local), ("server", remote))}
+            rows.append((streams, med, local, remote))
+    print(f"model: {args.model}, max_tokens {args.max_tokens}, {args.rounds} rounds, "
+          f"stream_interval {args.stream_interval}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print("| streams | in-process tok/s | server tok/s | tok/s overhead | best of rounds | "
+          "in-process TTFT p50 | server TTFT p50 | engine-process CPU per token "
+          "(in-process / server) | rounds (tok/s in-process / server) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for streams, med, local, remote in rows:
+        a, b = med["in-process"], med["server"]
+        spread = ", ".join(f"{x['tok_s']:.0f}/{y['tok_s']:.0f}" for x, y in zip(local, remote))
+        best_a = max(x["tok_s"] for x in local)
+        best_b = max(x["tok_s"] for x in remote)
+        print(f"| {streams} | {a['tok_s']:.0f} | {b['tok_s']:.0f} | "
+              f"{(1 - b['tok_s'] / a['tok_s']) * 100:+.1f}% | "
+              f"{best_a:.0f} / {best_b:.0f} ({(1 - best_b / best_a) * 100:+.1f}%) | "
+              f"{a['ttft_p50'] * 1000:.0f} ms | {b['ttft_p50'] * 1000:.0f} ms | "
+              f"{a['cpu_us_per_tok']:.0f} / {b['cpu_us_per_tok']:.0f} us | {spread} |")
+
+
+if __name__ == "__main__":
+    main()
