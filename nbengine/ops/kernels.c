@@ -43,12 +43,12 @@ static inline void nb_store16(void *y, int64_t off, int64_t nvalid, __m512 v,
         _mm256_mask_storeu_epi16((uint16_t *)y + off, mk, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* Output tile t (64 features) for input rows 4 mt .. 4 mt + 3. */
-static void nb_linear_tile(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
+/* Output tile t (64 features) for input rows 4 mt .. 4 mt + 3; `wt` is that tile's packed
+ * weights ([K/2, 64, 2]: inside a whole packed matrix, or a tile dequantized on the fly). */
+static void nb_linear_tile(const uint16_t *x, const uint16_t *wt, const uint16_t *bias,
                            void *y, int64_t M, int64_t N, int64_t K, int out_f32, int64_t t,
                            int64_t mt) {
     const int64_t pairs = K / 2;
-    const uint16_t *wt = w_packed + t * pairs * NB_TILE * 2;
     const int64_t n0 = t * NB_TILE, m0 = mt * 4;
     const int64_t rows = M - m0 < 4 ? M - m0 : 4;
     const uint16_t *bt = bias ? bias + n0 : 0;
@@ -119,7 +119,7 @@ void nb_linear_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t 
 #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < ntiles; t++)
         for (int64_t mt = 0; mt < mtiles; mt++)
-            nb_linear_tile(x, w_packed, bias, y, M, N, K, out_f32, t, mt);
+            nb_linear_tile(x, w_packed + t * (K / 2) * NB_TILE * 2, bias, y, M, N, K, out_f32, t, mt);
 }
 
 /* This thread's share (of `nt`) of the output tiles, for every row: used inside a
@@ -130,7 +130,7 @@ static void nb_linear_share(const uint16_t *x, const uint16_t *w_packed, const u
     const int64_t begin = ntiles * tid / nt, end = ntiles * (tid + 1) / nt;
     for (int64_t t = begin; t < end; t++)
         for (int64_t mt = 0; mt < mtiles; mt++)
-            nb_linear_tile(x, w_packed, bias, y, M, N, K, out_f32, t, mt);
+            nb_linear_tile(x, w_packed + t * (K / 2) * NB_TILE * 2, bias, y, M, N, K, out_f32, t, mt);
 }
 
 /* ---- small helpers ------------------------------------------------------------------ */
@@ -538,4 +538,199 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
         }
         out[n] = best;
     }
+}
+
+/* ---- Weight-only quantized linears: y[M, N] = x[M, K] @ dequant(W)^T (+ bias) ----------
+ *
+ * The weights stay quantized in memory and are dequantized in registers (ops/quant.py
+ * holds the torch reference of both formats and of these products):
+ *
+ * int8: W ~ q[n, k] * scale[n]; q int8 [N, Kp] (rows zero-padded to Kp, a multiple of
+ *   16), scale float32 [N]. y[m, n] = scale[n] * sum_k q[n, k] x[m, k].
+ * int4: W ~ q[n, k] * s[n, g] + z[n, g] for the group g = k / G of G consecutive inputs;
+ *   q in 0..15, two per byte: byte b of a group's G/2 holds element b in its low nibble
+ *   and element G/2 + b in its high nibble, so 16 bytes give 16 + 16 consecutive values
+ *   with no shuffle. Rows [Kp / 2] bytes (Kp: K rounded up to G); (s, z) float16 pairs
+ *   [N, Kp / G, 2]. y[m, n] = sum_g (s * sum_{k in g} q x + z * sum_{k in g} x).
+ *
+ * Few rows (decode): x is converted to float32 once (zero-padded to Kp), and each weight
+ * row is read once for all M rows, its products accumulated in float32 (exact inputs, no
+ * activation quantization: the accuracy of the weights alone). Four output rows are done
+ * together, so four independent chains hide the FMA latency. The cost per weight byte
+ * (sign/zero extension, conversion, FMA) is far below what memory delivers per core.
+ *
+ * Many rows (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
+ * features at a time to bfloat16 in the VNNI layout of nb_linear_bf16, into a buffer of
+ * 64 x K values, and runs the bf16 tile kernel on it for every row: the full bf16 weight
+ * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's).
+ */
+#define NB_Q_TILE_ROWS 8
+
+static inline float nb_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+/* x [M, K] bf16 -> float32 [M, Kp], zero-padded (64-byte aligned; caller frees). */
+static float *nb_x_to_f32(const uint16_t *x, int64_t M, int64_t K, int64_t Kp) {
+    float *xf = (float *)aligned_alloc(64, (size_t)(((M * Kp * 4) + 63) / 64 * 64));
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < Kp; k += 16)
+            _mm512_store_ps(xf + m * Kp + k, k < K ? nb_load16(x + m * K + k, nb_mask(K - k))
+                                                  : _mm512_setzero_ps());
+    }
+    return xf;
+}
+
+static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias, int64_t n,
+                             int out_f32) {
+    if (bias) v += nb_bf16_to_f32(bias[n]);
+    if (out_f32) ((float *)y)[off] = v;
+    else ((uint16_t *)y)[off] = nb_f32_to_bf16(v);
+}
+
+/* int8, output rows [n0, n1), every input row. */
+static void nb_q8_rows(const float *xf, const int8_t *w, const float *scales,
+                       const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
+                       int out_f32, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int8_t *wr[4];
+        for (int i = 0; i < 4; i++) wr[i] = w + (n + i < n1 ? n + i : n1 - 1) * Kp;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = xf + m * Kp;
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                             _mm512_setzero_ps()};
+            for (int64_t k = 0; k < Kp; k += 16) {
+                const __m512 xv = _mm512_load_ps(xr + k);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr[i] + k)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), xv, acc[i]);
+                }
+            }
+            for (int i = 0; i < 4 && n + i < n1; i++)
+                nb_store1(y, m * N + n + i, _mm512_reduce_add_ps(acc[i]) * scales[n + i], bias,
+                          n + i, out_f32);
+        }
+    }
+}
+
+/* int4, output rows [n0, n1), every input row; xs [M, Kp / G]: the group sums of x. */
+static void nb_q4_rows(const float *xf, const float *xs, const uint8_t *w, const uint16_t *sz,
+                       const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
+                       int64_t G, int out_f32, int64_t n0, int64_t n1) {
+    const int64_t ng = Kp / G, half = G / 2, rowb = Kp / 2;
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t n = n0; n < n1; n += 4) {
+        int64_t rows[4];
+        for (int i = 0; i < 4; i++) rows[i] = n + i < n1 ? n + i : n1 - 1;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = xf + m * Kp, *xsr = xs + m * ng;
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                             _mm512_setzero_ps()};
+            float zsum[4] = {0, 0, 0, 0};
+            for (int64_t g = 0; g < ng; g++) {
+                const float *xg = xr + g * G;
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t *wg = w + rows[i] * rowb + g * half;
+                    const uint16_t *p = sz + (rows[i] * ng + g) * 2;
+                    __m512 ga = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < half; c += 16) {
+                        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + c)));
+                        ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)),
+                                             _mm512_load_ps(xg + c), ga);
+                        ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)),
+                                             _mm512_load_ps(xg + half + c), ga);
+                    }
+                    acc[i] = _mm512_fmadd_ps(ga, _mm512_set1_ps(nb_f16_to_f32(p[0])), acc[i]);
+                    zsum[i] += nb_f16_to_f32(p[1]) * xsr[g];
+                }
+            }
+            for (int i = 0; i < 4 && n + i < n1; i++)
+                nb_store1(y, m * N + n + i, _mm512_reduce_add_ps(acc[i]) + zsum[i], bias, n + i,
+                          out_f32);
+        }
+    }
+}
+
+/* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout. */
+static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64_t N, int64_t K,
+                              int64_t Kp, int64_t G, int64_t t, uint16_t *buf) {
+    for (int64_t j = 0; j < NB_TILE; j++) {
+        const int64_t n = t * NB_TILE + j;
+        if (n >= N) {
+            for (int64_t k = 0; k < K; k++) buf[(k >> 1) * NB_TILE * 2 + j * 2 + (k & 1)] = 0;
+            continue;
+        }
+        if (bits == 8) {
+            const int8_t *wr = (const int8_t *)w + n * Kp;
+            const float s = ((const float *)scales)[n];
+            for (int64_t k = 0; k < K; k++)
+                buf[(k >> 1) * NB_TILE * 2 + j * 2 + (k & 1)] = nb_f32_to_bf16((float)wr[k] * s);
+        } else {
+            const uint8_t *wr = (const uint8_t *)w + n * (Kp / 2);
+            const uint16_t *p = (const uint16_t *)scales + n * (Kp / G) * 2;
+            const int64_t half = G / 2;
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t g = k / G, o = k % G;
+                const uint8_t b = wr[g * half + (o < half ? o : o - half)];
+                const float q = (float)(o < half ? b & 15 : b >> 4);
+                const float v = q * nb_f16_to_f32(p[2 * g]) + nb_f16_to_f32(p[2 * g + 1]);
+                buf[(k >> 1) * NB_TILE * 2 + j * 2 + (k & 1)] = nb_f32_to_bf16(v);
+            }
+        }
+    }
+}
+
+static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
+                        const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                        int64_t Kp, int64_t G, int out_f32, int nthreads) {
+    if (M >= NB_Q_TILE_ROWS && K % 2 == 0) {
+        const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE, mtiles = (M + 3) / 4;
+#pragma omp parallel num_threads(nthreads)
+        {
+            uint16_t *buf = (uint16_t *)aligned_alloc(64, (size_t)(K * NB_TILE * 2));
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < ntiles; t++) {
+                nb_q_dequant_tile(bits, w, scales, N, K, Kp, G, t, buf);
+                for (int64_t mt = 0; mt < mtiles; mt++)
+                    nb_linear_tile(x, buf, bias, y, M, N, K, out_f32, t, mt);
+            }
+            free(buf);
+        }
+        return;
+    }
+    float *xf = nb_x_to_f32(x, M, K, Kp);
+    float *xs = 0;
+    if (bits == 4) {
+        const int64_t ng = Kp / G;
+        xs = (float *)malloc(sizeof(float) * (size_t)(M * ng));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < ng; g++) {
+                __m512 s = _mm512_setzero_ps();
+                for (int64_t c = 0; c < G; c += 16) s = _mm512_add_ps(s, _mm512_load_ps(xf + m * Kp + g * G + c));
+                xs[m * ng + g] = _mm512_reduce_add_ps(s);
+            }
+    }
+    const int64_t blocks = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t n0 = blk * 4, n1 = n0 + 4 < N ? n0 + 4 : N;
+        if (bits == 8)
+            nb_q8_rows(xf, (const int8_t *)w, (const float *)scales, bias, y, M, N, Kp, out_f32, n0, n1);
+        else
+            nb_q4_rows(xf, xs, (const uint8_t *)w, (const uint16_t *)scales, bias, y, M, N, Kp, G,
+                       out_f32, n0, n1);
+    }
+    free(xf);
+    free(xs);
+}
+
+void nb_linear_q8(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
+                  void *y, int64_t M, int64_t N, int64_t K, int64_t Kp, int out_f32, int nthreads) {
+    nb_linear_q(8, x, w, scales, bias, y, M, N, K, Kp, 0, out_f32, nthreads);
+}
+
+void nb_linear_q4(const uint16_t *x, const uint8_t *w, const uint16_t *scales_zeros,
+                  const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K, int64_t Kp,
+                  int64_t G, int out_f32, int nthreads) {
+    nb_linear_q(4, x, w, scales_zeros, bias, y, M, N, K, Kp, G, out_f32, nthreads);
 }
