@@ -14,7 +14,7 @@ from nbengine.config import ModelConfig
 from nbengine.ops import native
 from nbengine.testing import make_tiny_model
 
-KW = dict(dtype="bfloat16", num_kv_blocks=64, block_size=16, max_num_seqs=8, seed=0)
+KW = dict(dtype="bfloat16", num_kv_blocks=64, block_size=16, seed=0)
 PROMPTS = [[1 + (7 * i + 3 * j) % 200 for j in range(5 + i)] for i in range(12)]
 GREEDY = nb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -59,10 +59,13 @@ def test_bad_quantization_is_refused() -> None:
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_native_engine_equals_torch_reference(model_dir: Path, mode: str,
                                               request: pytest.FixtureRequest) -> None:
-    native_tokens, shown = _greedy(model_dir, quantization=mode)
+    # One sequence at a time, so that both engines run the same batches: the products
+    # round differently below and above the kernel's tile threshold (ops/quant.py), and
+    # which batches form otherwise depends on timing (nbengine is not batch-invariant).
+    native_tokens, shown = _greedy(model_dir, quantization=mode, max_num_seqs=1)
     assert f"quantization={mode}" in shown and f"({mode}, bfloat16 activations)" in shown
     request.getfixturevalue("reference_path")
-    reference_tokens, _ = _greedy(model_dir, quantization=mode)
+    reference_tokens, _ = _greedy(model_dir, quantization=mode, max_num_seqs=1)
     assert native_tokens == reference_tokens
 
 
