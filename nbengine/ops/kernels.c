@@ -356,6 +356,14 @@ void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
     }
 }
 
+/* Quantized linears (defined at the end of this file). */
+static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
+                        const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                        int64_t Kp, int64_t G, int out_f32, int nthreads);
+static void nb_linear_q_share(int bits, const uint16_t *x, const void *w, const void *scales,
+                              const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                              int64_t Kp, int64_t G, int out_f32, int tid, int nt);
+
 /* ---- A whole Llama-family decoder stack for a decode-only step -------------------------
  *
  * One call runs every layer for B single-token sequences, chaining the kernels above in
@@ -369,9 +377,11 @@ void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
  */
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [H] */
-    const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    /* The weights: packed bf16, or quantized (then *_scales point to their scales). */
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     uint16_t *k_cache, *v_cache;  /* [num_blocks, block_size, Hkv, D] */
     int64_t window;  /* sliding-window attention over this many keys; 0: full attention */
+    const void *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
 } nb_layer;
 
 typedef struct {
@@ -379,9 +389,20 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin;  /* [max_positions, D / 2] */
     const nb_layer *layers;
-    const uint16_t *final_norm, *lm_head;  /* [H]; packed [vocab, H], no bias */
+    const uint16_t *final_norm;  /* [H] */
+    const void *lm_head;  /* packed (or quantized) [vocab, H], no bias */
     int64_t vocab;
+    /* Weight-only quantization of every linear (the head's too): 0 (bf16), 8 or 4 bits,
+     * the int4 group size, and the head's scales. */
+    int64_t qbits, qgroup;
+    const void *lm_head_scales;
 } nb_decoder;
+
+/* Kp of a quantized row of K inputs (ops/quant.py pads int8 to 16, int4 to the group). */
+static inline int64_t nb_q_padded(int64_t bits, int64_t group, int64_t K) {
+    const int64_t a = bits == 8 ? 16 : group;
+    return (K + a - 1) / a * a;
+}
 
 /* A spinning barrier for the threads of one parallel region. libgomp's own barrier
  * sleeps at once under OMP_WAIT_POLICY=PASSIVE (which nbengine sets), and a futex
@@ -421,9 +442,15 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
     const int64_t Hq = m->num_heads, Hkv = m->num_kv_heads;
     const int64_t nqkv = (Hq + 2 * Hkv) * D;
 #define NB_SYNC() do { if (nt > 1) nb_barrier_wait(bar); } while (0)
-#define NB_LINEAR(in, w, b, out, N, K)                                                    \
+    const int qb = (int)m->qbits;
+    const int64_t G = m->qgroup;
+#define NB_LINEAR(in, w, sc, b, out, N, K)                                                \
     do {                                                                                  \
-        if (nt > 1) nb_linear_share(in, w, b, out, B, N, K, 0, tid, nt);                   \
+        if (qb) {                                                                         \
+            const int64_t kp_ = nb_q_padded(qb, G, K);                                    \
+            if (nt > 1) nb_linear_q_share(qb, in, w, sc, b, out, B, N, K, kp_, G, 0, tid, nt); \
+            else nb_linear_q(qb, in, w, sc, b, out, B, N, K, kp_, G, 0, lin_threads);      \
+        } else if (nt > 1) nb_linear_share(in, w, b, out, B, N, K, 0, tid, nt);            \
         else nb_linear_bf16(in, w, b, out, B, N, K, 0, lin_threads);                       \
     } while (0)
     for (int64_t l = 0; l < m->num_layers; l++) {
@@ -437,7 +464,7 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
             }
         }
         NB_SYNC();
-        NB_LINEAR(h, L->qkv, L->qkv_bias, qkv, nqkv, H);
+        NB_LINEAR(h, L->qkv, L->qkv_scales, L->qkv_bias, qkv, nqkv, H);
         NB_SYNC();
         if (tid == 0) {
             nb_rotary_bf16(qkv, positions, m->cos, m->sin, B, Hq + Hkv, D, nqkv, row_threads);
@@ -451,22 +478,28 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
                                      attn_threads, L->window);
         }
         NB_SYNC();
-        NB_LINEAR(attn, L->o, L->o_bias, x, H, Hq * D);
+        NB_LINEAR(attn, L->o, L->o_scales, L->o_bias, x, H, Hq * D);
         NB_SYNC();
         if (tid == 0)
             nb_rms_norm_bf16(x, residual, L->post_norm, h, residual, B, H, m->eps, row_threads);
         NB_SYNC();
-        NB_LINEAR(h, L->gate_up, L->gate_up_bias, gu, 2 * I, H);
+        NB_LINEAR(h, L->gate_up, L->gate_up_scales, L->gate_up_bias, gu, 2 * I, H);
         NB_SYNC();
         if (tid == 0) nb_silu_mul_bf16(gu, act, B, I, row_threads);
         NB_SYNC();
-        NB_LINEAR(act, L->down, L->down_bias, x, H, I);
+        NB_LINEAR(act, L->down, L->down_scales, L->down_bias, x, H, I);
         NB_SYNC();
     }
     if (logits) {
         if (tid == 0) nb_rms_norm_bf16(x, residual, m->final_norm, h, residual, B, H, m->eps, row_threads);
         NB_SYNC();
-        if (nt > 1) nb_linear_share(h, m->lm_head, 0, logits, B, m->vocab, H, 1, tid, nt);
+        if (qb && nt > 1)
+            nb_linear_q_share(qb, h, m->lm_head, m->lm_head_scales, 0, logits, B, m->vocab, H,
+                              nb_q_padded(qb, G, H), G, 1, tid, nt);
+        else if (qb)
+            nb_linear_q(qb, h, m->lm_head, m->lm_head_scales, 0, logits, B, m->vocab, H,
+                        nb_q_padded(qb, G, H), G, 1, lin_threads);
+        else if (nt > 1) nb_linear_share(h, m->lm_head, 0, logits, B, m->vocab, H, 1, tid, nt);
         else nb_linear_bf16(h, m->lm_head, 0, logits, B, m->vocab, H, 1, lin_threads);
     }
 #undef NB_LINEAR
@@ -680,6 +713,37 @@ static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64
     }
 }
 
+/* x as float32 [M, Kp] and, for int4, its group sums [M, Kp / G] (*xs); caller frees. */
+static float *nb_q_inputs(int bits, const uint16_t *x, int64_t M, int64_t K, int64_t Kp,
+                          int64_t G, float **xs) {
+    float *xf = nb_x_to_f32(x, M, K, Kp);
+    *xs = 0;
+    if (bits == 4) {
+        const int64_t ng = Kp / G;
+        float *sums = (float *)malloc(sizeof(float) * (size_t)(M * ng));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < ng; g++) {
+                __m512 s = _mm512_setzero_ps();
+                for (int64_t c = 0; c < G; c += 16) s = _mm512_add_ps(s, _mm512_load_ps(xf + m * Kp + g * G + c));
+                sums[m * ng + g] = _mm512_reduce_add_ps(s);
+            }
+        *xs = sums;
+    }
+    return xf;
+}
+
+/* Output rows 4 blk .. 4 blk + 3 (fewer at the end), every row of x. */
+static inline void nb_q_block(int bits, const float *xf, const float *xs, const void *w,
+                              const void *scales, const uint16_t *bias, void *y, int64_t M,
+                              int64_t N, int64_t Kp, int64_t G, int out_f32, int64_t blk) {
+    const int64_t n0 = blk * 4, n1 = n0 + 4 < N ? n0 + 4 : N;
+    if (bits == 8)
+        nb_q8_rows(xf, (const int8_t *)w, (const float *)scales, bias, y, M, N, Kp, out_f32, n0, n1);
+    else
+        nb_q4_rows(xf, xs, (const uint8_t *)w, (const uint16_t *)scales, bias, y, M, N, Kp, G,
+                   out_f32, n0, n1);
+}
+
 static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
                         const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
                         int64_t Kp, int64_t G, int out_f32, int nthreads) {
@@ -698,28 +762,27 @@ static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *
         }
         return;
     }
-    float *xf = nb_x_to_f32(x, M, K, Kp);
     float *xs = 0;
-    if (bits == 4) {
-        const int64_t ng = Kp / G;
-        xs = (float *)malloc(sizeof(float) * (size_t)(M * ng));
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < ng; g++) {
-                __m512 s = _mm512_setzero_ps();
-                for (int64_t c = 0; c < G; c += 16) s = _mm512_add_ps(s, _mm512_load_ps(xf + m * Kp + g * G + c));
-                xs[m * ng + g] = _mm512_reduce_add_ps(s);
-            }
-    }
+    float *xf = nb_q_inputs(bits, x, M, K, Kp, G, &xs);
     const int64_t blocks = (N + 3) / 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t n0 = blk * 4, n1 = n0 + 4 < N ? n0 + 4 : N;
-        if (bits == 8)
-            nb_q8_rows(xf, (const int8_t *)w, (const float *)scales, bias, y, M, N, Kp, out_f32, n0, n1);
-        else
-            nb_q4_rows(xf, xs, (const uint8_t *)w, (const uint16_t *)scales, bias, y, M, N, Kp, G,
-                       out_f32, n0, n1);
-    }
+    for (int64_t blk = 0; blk < blocks; blk++)
+        nb_q_block(bits, xf, xs, w, scales, bias, y, M, N, Kp, G, out_f32, blk);
+    free(xf);
+    free(xs);
+}
+
+/* This thread's share (of `nt`) of the output rows, for every row of x: inside a parallel
+ * region the caller runs (nb_decoder_decode, one or two rows). Each thread converts x on
+ * its own (a few KiB); the values are those of nb_linear_q's row path. */
+static void nb_linear_q_share(int bits, const uint16_t *x, const void *w, const void *scales,
+                              const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                              int64_t Kp, int64_t G, int out_f32, int tid, int nt) {
+    float *xs = 0;
+    float *xf = nb_q_inputs(bits, x, M, K, Kp, G, &xs);
+    const int64_t blocks = (N + 3) / 4;
+    for (int64_t blk = blocks * tid / nt; blk < blocks * (tid + 1) / nt; blk++)
+        nb_q_block(bits, xf, xs, w, scales, bias, y, M, N, Kp, G, out_f32, blk);
     free(xf);
     free(xs);
 }
