@@ -400,7 +400,7 @@ typedef struct {
 
 /* Kp of a quantized row of K inputs (ops/quant.py pads int8 to 16, int4 to the group). */
 static inline int64_t nb_q_padded(int64_t bits, int64_t group, int64_t K) {
-    const int64_t a = bits == 8 ? 16 : group;
+    const int64_t a = bits == 8 ? 32 : group;
     return (K + a - 1) / a * a;
 }
 
@@ -579,37 +579,92 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
  * holds the torch reference of both formats and of these products):
  *
  * int8: W ~ q[n, k] * scale[n]; q int8 [N, Kp] (rows zero-padded to Kp, a multiple of
- *   16), scale float32 [N]. y[m, n] = scale[n] * sum_k q[n, k] x[m, k].
+ *   32), scale float32 [N].
  * int4: W ~ q[n, k] * s[n, g] + z[n, g] for the group g = k / G of G consecutive inputs;
  *   q in 0..15, two per byte: byte b of a group's G/2 holds element b in its low nibble
- *   and element G/2 + b in its high nibble, so 16 bytes give 16 + 16 consecutive values
- *   with no shuffle. Rows [Kp / 2] bytes (Kp: K rounded up to G); (s, z) float16 pairs
- *   [N, Kp / G, 2]. y[m, n] = sum_g (s * sum_{k in g} q x + z * sum_{k in g} x).
+ *   and element G/2 + b in its high nibble, so G/2 bytes give G consecutive values with
+ *   no shuffle. Rows [Kp / 2] bytes (Kp: K rounded up to G); (s, z) float16 pairs
+ *   [N, Kp / G, 2].
  *
- * Few rows (decode): x is converted to float32 once (zero-padded to Kp), and each weight
- * row is read once for all M rows, its products accumulated in float32 (exact inputs, no
- * activation quantization: the accuracy of the weights alone). Four output rows are done
- * together, so four independent chains hide the FMA latency. The cost per weight byte
- * (sign/zero extension, conversion, FMA) is far below what memory delivers per core.
+ * Few rows (decode, M < NB_Q_TILE_ROWS): each row of x is scaled to int16 (per row:
+ * xq = round(x * 32767 / max|x|), an error of at most 1/65534 of the row's largest
+ * value: far below bfloat16's own rounding of x, whose 8 significant bits it keeps
+ * exactly) once per call, and the products are integer dot products (AVX-512 VNNI
+ * vpdpwssd: 32 int16 products summed into 16 int32 lanes by one instruction), exact,
+ * then scaled in float32. Per 32 weights that is one widening load and one vpdpwssd
+ * (int4: two, plus the nibble split), few enough that one core streams weights at
+ * memory speed. int8: y = sx * scale[n] * sum_k q xq (int32 lanes flushed to float32
+ * every 2048 inputs, before they could overflow). int4: y = sx * sum_g (s * sum_{k in g}
+ * q xq + z * sum_{k in g} xq). Each weight row is read once for all M rows; four output
+ * rows are done together.
  *
  * Many rows (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
  * features at a time to bfloat16 in the VNNI layout of nb_linear_bf16, into a buffer of
  * 64 x K values, and runs the bf16 tile kernel on it for every row: the full bf16 weight
- * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's).
+ * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's)
+ * and x as it is.
  */
 #define NB_Q_TILE_ROWS 8
+#define NB_Q8_FLUSH 64  /* 32-input steps between int32 -> float32 flushes (int8) */
 
 static inline float nb_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
-/* x [M, K] bf16 -> float32 [M, Kp], zero-padded (64-byte aligned; caller frees). */
-static float *nb_x_to_f32(const uint16_t *x, int64_t M, int64_t K, int64_t Kp) {
-    float *xf = (float *)aligned_alloc(64, (size_t)(((M * Kp * 4) + 63) / 64 * 64));
+/* The rows of x as int16 with their scales (and, for int4, per-group sums). */
+typedef struct {
+    int16_t *xq;    /* [M, Kp], zero-padded, 64-byte aligned */
+    float *sx;      /* [M]: x ~ xq * sx */
+    /* int4: [M, ng2] with the sum of xq over group g at 2 g + 1 and zeros elsewhere (ng2:
+     * 2 Kp / G rounded up to 16), to meet the (scale, zero) pairs as loaded. */
+    float *xsum;
+    int64_t ng2;
+} nb_qx;
+
+static nb_qx nb_q_inputs(int bits, const uint16_t *x, int64_t M, int64_t K, int64_t Kp,
+                         int64_t G) {
+    nb_qx in;
+    in.xq = (int16_t *)aligned_alloc(64, (size_t)((M * Kp * 2 + 63) / 64 * 64));
+    in.sx = (float *)malloc(sizeof(float) * (size_t)M);
+    in.xsum = 0;
+    in.ng2 = 0;
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t k = 0; k < Kp; k += 16)
-            _mm512_store_ps(xf + m * Kp + k, k < K ? nb_load16(x + m * K + k, nb_mask(K - k))
-                                                  : _mm512_setzero_ps());
+        const uint16_t *xr = x + m * K;
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16)
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(nb_load16(xr + k, nb_mask(K - k))));
+        const float amax = _mm512_reduce_max_ps(mx);
+        /* As ops/quant.py: inv = 32767 / amax and sx = amax / 32767, both float32. */
+        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        in.sx[m] = amax / 32767.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        int16_t *q = in.xq + m * Kp;
+        for (int64_t k = 0; k < Kp; k += 16) {
+            __m256i v = _mm256_setzero_si256();
+            if (k < K) {  /* round to nearest even, as torch.round */
+                const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(nb_load16(xr + k, nb_mask(K - k)), vinv));
+                v = _mm512_cvtsepi32_epi16(r);
+            }
+            _mm256_store_si256((__m256i *)(q + k), v);
+        }
     }
-    return xf;
+    if (bits == 4) {
+        const int64_t ng = Kp / G, ng2 = (2 * ng + 15) / 16 * 16;
+        in.ng2 = ng2;
+        in.xsum = (float *)aligned_alloc(64, (size_t)(M * ng2 * 4));
+        memset(in.xsum, 0, (size_t)(M * ng2 * 4));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < ng; g++) {
+                int32_t s = 0;
+                for (int64_t c = 0; c < G; c++) s += in.xq[m * Kp + g * G + c];
+                in.xsum[m * ng2 + 2 * g + 1] = (float)s;  /* exact: |s| < 2^24 */
+            }
+    }
+    return in;
+}
+
+static void nb_q_inputs_free(nb_qx *in) {
+    free(in->xq);
+    free(in->sx);
+    free(in->xsum);
 }
 
 static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias, int64_t n,
@@ -619,68 +674,93 @@ static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias
     else ((uint16_t *)y)[off] = nb_f32_to_bf16(v);
 }
 
-/* int8, output rows [n0, n1), every input row. */
-static void nb_q8_rows(const float *xf, const int8_t *w, const float *scales,
+/* int8, output rows [n0, n0 + 4) (fewer at the end: n1), every input row. */
+static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
                        const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
                        int out_f32, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n += 4) {
-        const int8_t *wr[4];
-        for (int i = 0; i < 4; i++) wr[i] = w + (n + i < n1 ? n + i : n1 - 1) * Kp;
-        for (int64_t m = 0; m < M; m++) {
-            const float *xr = xf + m * Kp;
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                             _mm512_setzero_ps()};
-            for (int64_t k = 0; k < Kp; k += 16) {
-                const __m512 xv = _mm512_load_ps(xr + k);
+    const int8_t *wr[4];
+    for (int i = 0; i < 4; i++) wr[i] = w + (n0 + i < n1 ? n0 + i : n1 - 1) * Kp;
+    for (int64_t m = 0; m < M; m++) {
+        const int16_t *xr = in->xq + m * Kp;
+        __m512 accf[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                          _mm512_setzero_ps()};
+        for (int64_t k0 = 0; k0 < Kp; k0 += 32 * NB_Q8_FLUSH) {
+            const int64_t k1 = k0 + 32 * NB_Q8_FLUSH < Kp ? k0 + 32 * NB_Q8_FLUSH : Kp;
+            __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
+                              _mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int64_t k = k0; k < k1; k += 32) {
+                const __m512i xv = _mm512_load_si512(xr + k);
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr[i] + k)));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), xv, acc[i]);
+                    const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[i] + k)));
+                    acc[i] = _mm512_dpwssd_epi32(acc[i], q, xv);
                 }
             }
-            for (int i = 0; i < 4 && n + i < n1; i++)
-                nb_store1(y, m * N + n + i, _mm512_reduce_add_ps(acc[i]) * scales[n + i], bias,
-                          n + i, out_f32);
+            for (int i = 0; i < 4; i++) accf[i] = _mm512_add_ps(accf[i], _mm512_cvtepi32_ps(acc[i]));
         }
+        for (int i = 0; i < 4 && n0 + i < n1; i++)
+            nb_store1(y, m * N + n0 + i, _mm512_reduce_add_ps(accf[i]) * (scales[n0 + i] * in->sx[m]),
+                      bias, n0 + i, out_f32);
     }
 }
 
-/* int4, output rows [n0, n1), every input row; xs [M, Kp / G]: the group sums of x. */
-static void nb_q4_rows(const float *xf, const float *xs, const uint8_t *w, const uint16_t *sz,
+/* The integer dot product of one int4 group (G/2 bytes) with xq (G values). */
+static inline __m512i nb_q4_group_dot(const uint8_t *wg, const int16_t *xg, int64_t half) {
+    __m512i ga = _mm512_setzero_si512();
+    if (half % 32 == 0) {
+        const __m512i low4 = _mm512_set1_epi16(15);
+        for (int64_t c = 0; c < half; c += 32) {
+            const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + c)));
+            ga = _mm512_dpwssd_epi32(ga, _mm512_and_si512(b, low4), _mm512_load_si512(xg + c));
+            ga = _mm512_dpwssd_epi32(ga, _mm512_srli_epi16(b, 4), _mm512_load_si512(xg + half + c));
+        }
+    } else {  /* half == 16 (G = 32): one 256-bit step */
+        const __m256i low4 = _mm256_set1_epi16(15);
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wg));
+        __m256i g = _mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_and_si256(b, low4),
+                                        _mm256_load_si256((const __m256i *)xg));
+        g = _mm256_dpwssd_epi32(g, _mm256_srli_epi16(b, 4), _mm256_load_si256((const __m256i *)(xg + 16)));
+        ga = _mm512_zextsi256_si512(g);
+    }
+    return ga;
+}
+
+/* int4, output rows [n0, n0 + 4) (fewer at the end: n1), every input row. */
+static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
                        const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
                        int64_t G, int out_f32, int64_t n0, int64_t n1) {
     const int64_t ng = Kp / G, half = G / 2, rowb = Kp / 2;
-    const __m512i low4 = _mm512_set1_epi32(15);
-    for (int64_t n = n0; n < n1; n += 4) {
-        int64_t rows[4];
-        for (int i = 0; i < 4; i++) rows[i] = n + i < n1 ? n + i : n1 - 1;
-        for (int64_t m = 0; m < M; m++) {
-            const float *xr = xf + m * Kp, *xsr = xs + m * ng;
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                             _mm512_setzero_ps()};
-            float zsum[4] = {0, 0, 0, 0};
-            for (int64_t g = 0; g < ng; g++) {
-                const float *xg = xr + g * G;
+    int64_t rows[4];
+    for (int i = 0; i < 4; i++) rows[i] = n0 + i < n1 ? n0 + i : n1 - 1;
+    for (int64_t m = 0; m < M; m++) {
+        const int16_t *xr = in->xq + m * Kp;
+        const float *xsr = in->xsum + m * in->ng2;
+        __m512 acc[4], zacc[4];
+        for (int i = 0; i < 4; i++) acc[i] = zacc[i] = _mm512_setzero_ps();
+        /* Eight groups at a time: their (scale, zero) pairs converted in one instruction,
+         * the zeros' term as one FMA with the interleaved group sums of x. */
+        for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+            const int64_t cnt = ng - g0 < 8 ? ng - g0 : 8;
+            const __mmask16 mk = (__mmask16)((1u << (2 * cnt)) - 1);
+            float sf[4][16] __attribute__((aligned(64)));
+            for (int i = 0; i < 4; i++) {
+                const __m512 pairs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, sz + (rows[i] * ng + g0) * 2));
+                zacc[i] = _mm512_fmadd_ps(pairs, _mm512_load_ps(xsr + 2 * g0), zacc[i]);
+                _mm512_store_ps(sf[i], pairs);
+            }
+            for (int64_t j = 0; j < cnt; j++) {
+                const int64_t g = g0 + j;
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    const uint8_t *wg = w + rows[i] * rowb + g * half;
-                    const uint16_t *p = sz + (rows[i] * ng + g) * 2;
-                    __m512 ga = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < half; c += 16) {
-                        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + c)));
-                        ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)),
-                                             _mm512_load_ps(xg + c), ga);
-                        ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)),
-                                             _mm512_load_ps(xg + half + c), ga);
-                    }
-                    acc[i] = _mm512_fmadd_ps(ga, _mm512_set1_ps(nb_f16_to_f32(p[0])), acc[i]);
-                    zsum[i] += nb_f16_to_f32(p[1]) * xsr[g];
+                    const __m512i ga = nb_q4_group_dot(w + rows[i] * rowb + g * half, xr + g * G, half);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ga), _mm512_set1_ps(sf[i][2 * j]), acc[i]);
                 }
             }
-            for (int i = 0; i < 4 && n + i < n1; i++)
-                nb_store1(y, m * N + n + i, _mm512_reduce_add_ps(acc[i]) + zsum[i], bias, n + i,
-                          out_f32);
         }
+        for (int i = 0; i < 4 && n0 + i < n1; i++)
+            nb_store1(y, m * N + n0 + i,
+                      (_mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(zacc[i])) * in->sx[m],
+                      bias, n0 + i, out_f32);
     }
 }
 
@@ -713,34 +793,15 @@ static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64
     }
 }
 
-/* x as float32 [M, Kp] and, for int4, its group sums [M, Kp / G] (*xs); caller frees. */
-static float *nb_q_inputs(int bits, const uint16_t *x, int64_t M, int64_t K, int64_t Kp,
-                          int64_t G, float **xs) {
-    float *xf = nb_x_to_f32(x, M, K, Kp);
-    *xs = 0;
-    if (bits == 4) {
-        const int64_t ng = Kp / G;
-        float *sums = (float *)malloc(sizeof(float) * (size_t)(M * ng));
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < ng; g++) {
-                __m512 s = _mm512_setzero_ps();
-                for (int64_t c = 0; c < G; c += 16) s = _mm512_add_ps(s, _mm512_load_ps(xf + m * Kp + g * G + c));
-                sums[m * ng + g] = _mm512_reduce_add_ps(s);
-            }
-        *xs = sums;
-    }
-    return xf;
-}
-
 /* Output rows 4 blk .. 4 blk + 3 (fewer at the end), every row of x. */
-static inline void nb_q_block(int bits, const float *xf, const float *xs, const void *w,
-                              const void *scales, const uint16_t *bias, void *y, int64_t M,
-                              int64_t N, int64_t Kp, int64_t G, int out_f32, int64_t blk) {
+static inline void nb_q_block(int bits, const nb_qx *in, const void *w, const void *scales,
+                              const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
+                              int64_t G, int out_f32, int64_t blk) {
     const int64_t n0 = blk * 4, n1 = n0 + 4 < N ? n0 + 4 : N;
     if (bits == 8)
-        nb_q8_rows(xf, (const int8_t *)w, (const float *)scales, bias, y, M, N, Kp, out_f32, n0, n1);
+        nb_q8_rows(in, (const int8_t *)w, (const float *)scales, bias, y, M, N, Kp, out_f32, n0, n1);
     else
-        nb_q4_rows(xf, xs, (const uint8_t *)w, (const uint16_t *)scales, bias, y, M, N, Kp, G,
+        nb_q4_rows(in, (const uint8_t *)w, (const uint16_t *)scales, bias, y, M, N, Kp, G,
                    out_f32, n0, n1);
 }
 
@@ -762,14 +823,12 @@ static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *
         }
         return;
     }
-    float *xs = 0;
-    float *xf = nb_q_inputs(bits, x, M, K, Kp, G, &xs);
+    nb_qx in = nb_q_inputs(bits, x, M, K, Kp, G);
     const int64_t blocks = (N + 3) / 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++)
-        nb_q_block(bits, xf, xs, w, scales, bias, y, M, N, Kp, G, out_f32, blk);
-    free(xf);
-    free(xs);
+        nb_q_block(bits, &in, w, scales, bias, y, M, N, Kp, G, out_f32, blk);
+    nb_q_inputs_free(&in);
 }
 
 /* This thread's share (of `nt`) of the output rows, for every row of x: inside a parallel
@@ -778,13 +837,11 @@ static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *
 static void nb_linear_q_share(int bits, const uint16_t *x, const void *w, const void *scales,
                               const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
                               int64_t Kp, int64_t G, int out_f32, int tid, int nt) {
-    float *xs = 0;
-    float *xf = nb_q_inputs(bits, x, M, K, Kp, G, &xs);
+    nb_qx in = nb_q_inputs(bits, x, M, K, Kp, G);
     const int64_t blocks = (N + 3) / 4;
     for (int64_t blk = blocks * tid / nt; blk < blocks * (tid + 1) / nt; blk++)
-        nb_q_block(bits, xf, xs, w, scales, bias, y, M, N, Kp, G, out_f32, blk);
-    free(xf);
-    free(xs);
+        nb_q_block(bits, &in, w, scales, bias, y, M, N, Kp, G, out_f32, blk);
+    nb_q_inputs_free(&in);
 }
 
 void nb_linear_q8(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,

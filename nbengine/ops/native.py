@@ -20,7 +20,7 @@ Only on use: nothing is compiled or loaded until a bfloat16 path asks for a kern
 float32 engine never builds the library (``loaded()`` serves optional uses, such as the
 sampler's argmax, without triggering a build).
 
-When not: the kernels need x86-64 with AVX-512 BF16. Without it, without a compiler, with
+When not: the kernels need x86-64 with AVX-512 BF16 and VNNI. Without it, without a compiler, with
 ``NBENGINE_NATIVE=0``, or if the build fails, ``kernels()`` returns ``None`` and callers
 keep their torch paths; ``unavailable_reason()`` says why. Every kernel has a plain-torch
 reference it is tested against (tests/ops/test_native.py).
@@ -43,10 +43,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 CFLAGS = (
     "-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c",
+    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c",
 )
 LIBS = ("-lm",)
 VNNI_TILE = 64  # output features per packed tile (NB_TILE in kernels.c)

@@ -3,7 +3,7 @@
 Formats (the native kernels in ops/kernels.c read exactly these tensors):
 
 ``int8``: ``W[n, k] ~ q[n, k] * scale[n]``, symmetric, ``q`` int8 in -127..127 and
-``scale = max_k |W[n, k]| / 127`` (float32). Rows are zero-padded to a multiple of 16
+``scale = max_k |W[n, k]| / 127`` (float32). Rows are zero-padded to a multiple of 32
 inputs.
 
 ``int4`` (``int4-g32``): ``W[n, k] ~ q[n, k] * s[n, g] + z[n, g]`` for each group ``g`` of
@@ -15,8 +15,20 @@ shuffle). Rows are zero-padded to a multiple of ``G``.
 
 The torch functions here are the reference of the native kernels (tests/ops/test_quant.py
 checks one against the other) and the path taken where the kernels are unavailable.
-The reference product dequantizes to float32 a slice of output rows at a time, so it too
-never holds the whole weight dequantized.
+The reference product dequantizes a slice of output rows at a time, so it too never holds
+the whole weight dequantized.
+
+Products, as the kernels compute them (bfloat16 inputs):
+
+- fewer than ``TILE_ROWS`` rows (decode): each row of ``x`` is scaled to int16
+  (``round(x * 32767 / max|x|)``; the error is at most 1/65534 of the row's largest
+  value, below bfloat16's own rounding of ``x``), and the dot products with the integer
+  weights are exact integer sums, scaled afterwards. This is what lets the kernel stream
+  weights at memory speed: one AVX-512 VNNI instruction per 32 products.
+- ``TILE_ROWS`` rows or more (prefill): the weights are dequantized to bfloat16 one tile
+  at a time and multiplied as a bfloat16 model's weights are.
+
+float32 inputs (float32 models: the kernels are not used) are multiplied in float32.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 # mode -> group size (None: int8 per output channel)
 QUANTIZATION_MODES: dict[str, int | None] = {"int8": None, "int4": 64, "int4-g32": 32}
-_INT8_ALIGN = 16
+_INT8_ALIGN = 32
 _REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
 # From this many input rows on (and with an even K), the native kernel multiplies by the
 # weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in ops/kernels.c); the
@@ -98,6 +110,14 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, in_features: int,
     return (q * s[..., None] + z[..., None]).view(n, -1)[:, :in_features]
 
 
+def quantize_rows_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x [M, K]`` -> ``(xq, sx)``: ``x ~ xq * sx[:, None]``, ``xq`` integers in
+    -32767..32767 (as float32), ``sx = max|x| / 32767`` per row (float32, as the kernel)."""
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv[:, None]).clamp_(-32768, 32767), amax / 32767.0
+
+
 def linear_quantized_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                in_features: int, group_size: int | None,
                                bias: torch.Tensor | None = None,
@@ -105,17 +125,26 @@ def linear_quantized_reference(x: torch.Tensor, qweight: torch.Tensor, scales: t
     """``x [..., K] @ dequant(W).T (+ bias)`` in float32, rounded to ``out_dtype``.
 
     ``out_dtype`` None: the dtype of ``x``. Dequantizes ``_REF_ROWS`` output rows at a time.
-    For bfloat16 ``x`` of ``TILE_ROWS`` rows or more (even K), the dequantized weights are
-    rounded to bfloat16 first, as the native kernel's prefill path does.
+    bfloat16 ``x`` is multiplied as the kernels do (module docstring): below ``TILE_ROWS``
+    rows scaled to int16 with exact sums, from ``TILE_ROWS`` rows on (even K) by the
+    weights rounded to bfloat16.
     """
     lead = x.shape[:-1]
     xf = x.reshape(-1, in_features).float()
     n = qweight.shape[0]
     y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-    tiled = x.dtype == torch.bfloat16 and xf.shape[0] >= TILE_ROWS and in_features % 2 == 0
+    bf16 = x.dtype == torch.bfloat16
+    tiled = bf16 and xf.shape[0] >= TILE_ROWS and in_features % 2 == 0
+    x_int16 = bf16 and not tiled
+    if x_int16:
+        xq, sx = quantize_rows_int16(xf)
+        xd = xq.double()
     for start in range(0, n, _REF_ROWS):
         stop = min(n, start + _REF_ROWS)
         w = dequantize(qweight[start:stop], scales[start:stop], in_features, group_size)
+        if x_int16:
+            y[:, start:stop] = ((xd @ w.double().T) * sx.double()[:, None]).float()
+            continue
         if tiled:
             w = w.to(torch.bfloat16).float()
         y[:, start:stop] = xf @ w.T

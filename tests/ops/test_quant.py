@@ -1,10 +1,10 @@
 """Weight-only quantization (ops/quant.py): the formats, and the native kernels against
 their torch reference.
 
-The reference (``linear_quantized_reference``) dequantizes to float32 and multiplies in
-float32 (for many bfloat16 rows, with the weights rounded to bfloat16 as the kernel's
-tile path does); the native kernels sum in another order, so float32 results are
-compared tightly and bfloat16 ones within a rounding step.
+The reference (``linear_quantized_reference``) computes what the kernels compute (inputs
+scaled to int16 for few rows, weights rounded to bfloat16 for many), in float64 or
+float32; the kernels sum in another order, so float32 results are compared tightly and
+bfloat16 ones within a rounding step.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_int8_round_trip_within_half_a_step(k: int) -> None:
     w = _randn(9, k, seed=k)
     w[3] = 0.0  # an all-zero row keeps a usable scale
     q, s = quantize_int8(w)
-    assert q.dtype == torch.int8 and q.shape == (9, -(-k // 16) * 16) and s.shape == (9,)
+    assert q.dtype == torch.int8 and q.shape == (9, -(-k // 32) * 32) and s.shape == (9,)
     assert not q[:, k:].any()
     err = (dequantize(q, s, k, None) - w).abs()
     assert bool((err <= s[:, None] / 2 + 1e-7).all())
@@ -85,6 +85,17 @@ def test_bad_group_and_mode() -> None:
         quantize_linears(nn.Sequential(nn.Linear(4, 4)), "fp8")
 
 
+def test_int16_rows_keep_bfloat16_inputs_almost_exactly() -> None:
+    from nbengine.ops.quant import quantize_rows_int16
+
+    x = _randn(3, 300, seed=7).to(BF16).float()
+    x[1] = 0.0
+    xq, sx = quantize_rows_int16(x)
+    assert float(xq.abs().max()) == 32767 and not xq[1].any() and float(sx[1]) == 0
+    err = (xq * sx[:, None] - x).abs().amax(dim=1)
+    assert bool((err <= x.abs().amax(dim=1) / 65534 * 1.001).all())
+
+
 def test_reference_matches_dequantized_f_linear() -> None:
     w, x, b = _randn(70, 40, seed=1), _randn(3, 2, 40, seed=2), _randn(70, seed=3)
     for mode in QUANTIZATION_MODES:
@@ -109,12 +120,15 @@ def test_float32_model_uses_reference_and_stays_close_to_full_precision() -> Non
 
 @pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 33])
-@pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (130, 96), (5, 77), (200, 576)])
+# K = 4100: past the int8 kernel's int32 flush every 2048 inputs, with a tail.
+@pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (130, 96), (5, 77), (200, 576), (9, 4100)])
 @pytest.mark.required
 @needs_native
 def test_native_matches_reference(mode: str, m: int, n: int, k: int) -> None:
     assert kernels is not None
     w, x, b = _randn(n, k, seed=n + k).to(BF16), _randn(m, k, seed=m).to(BF16), _randn(n, seed=9).to(BF16)
+    if m == 3:
+        x[1] = 0.0  # a zero row (scale 0 in the int16 path)
     q, s, g = _quantize(w, mode)
     want = linear_quantized_reference(x, q, s, k, g, b, torch.float32)
     got = kernels.linear_quantized(x, q, s, k, g, b, torch.float32)
