@@ -10,6 +10,10 @@ and reports
 - top-1 agreement with bfloat16: over the first ``--positions`` of those positions, the
   share where the mode's most likely next token is bfloat16's.
 
+``--max-num-batched-tokens 4`` scores in chunks of four tokens, which the quantized
+kernels multiply as they do in decode steps (inputs scaled to int16, ops/quant.py); the
+default (512) scores through their prefill path (weights dequantized to bfloat16).
+
 Prompts are rows of 255 tokens (the model's context is 256 and one token is generated),
 so the perplexity covers 254 predictions per row where training's evaluation covered 256:
 it is close to, not equal to, TRAINING.json's figure; the bfloat16 row is the baseline.
@@ -69,7 +73,8 @@ def held_out_rows(cache_dir: Path) -> tuple[list[list[int]], dict[str, int]]:
     return rows.tolist(), stats
 
 
-def score(rows: list[list[int]], quantization: str | None) -> dict[str, Any]:
+def score(rows: list[list[int]], quantization: str | None, batched_tokens: int
+          ) -> dict[str, Any]:
     """Per position: the true token's logprob and the most likely token, for one engine."""
     import nbengine as nb
 
@@ -77,7 +82,7 @@ def score(rows: list[list[int]], quantization: str | None) -> dict[str, Any]:
     params = nb.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     start = time.perf_counter()
     with nb.LLM(None, dtype="bfloat16", quantization=quantization, max_model_len=256,
-                seed=0) as llm:
+                max_num_batched_tokens=batched_tokens, seed=0) as llm:
         shown = repr(llm.engine)
         outs = llm.generate(prompts, params, use_tqdm=False)
     nll: list[float] = []
@@ -99,6 +104,9 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=1000, help="positions for top-1 agreement")
     p.add_argument("--cache-dir", default="/work/train_out/cache")
     p.add_argument("--json", help="write the results here too")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per step: 512 scores through the kernels' many-row (prefill) "
+                        "path; below 8 through their few-row (decode) path")
     args = p.parse_args()
 
     rows, stats = held_out_rows(Path(args.cache_dir))
@@ -106,7 +114,8 @@ def main() -> None:
     if stats["documents"] != stats["expected_documents"]:
         print("WARNING: the corpus differs from the training run's (another Python?); "
               "the split is not the held-out one.")
-    base = score(rows, None)
+    chunk = args.max_num_batched_tokens
+    base = score(rows, None, chunk)
     print(base["engine"])
     results: list[dict[str, Any]] = []
     base_ppl = math.exp(sum(base["nll"]) / len(base["nll"]))
@@ -114,7 +123,7 @@ def main() -> None:
                     "top1_agreement": 1.0, "positions": len(base["nll"])})
     n = min(args.positions, len(base["top1"]))
     for mode in args.modes:
-        r = score(rows, mode)
+        r = score(rows, mode, chunk)
         print(r["engine"])
         ppl = math.exp(sum(r["nll"]) / len(r["nll"]))
         agree = sum(a == b for a, b in zip(r["top1"][:n], base["top1"][:n])) / n

@@ -81,3 +81,16 @@ def test_int8_mostly_agrees_with_bfloat16_and_takes_less_memory(model_dir: Path)
         return float(size) * {"KiB": 1, "MiB": 1024, "B": 1 / 1024}[unit]
 
     assert weights_kib(int8_repr) < 0.75 * weights_kib(full_repr)
+
+
+def test_pre_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
+    import json
+
+    from nbengine.model.errors import ModelLoadError
+
+    path = make_tiny_model(tmp_path / "gptq", arch="llama")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="quantization_config.*gptq"):
+        nb.Engine(str(path), num_kv_blocks=8)
