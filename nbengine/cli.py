@@ -328,7 +328,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="model directory (default: random weights in SmolLM2-135M's shape)")
     bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
     bench.add_argument("--engines", default="nbengine,hf_static,hf_cb",
-                       help="comma-separated: nbengine,hf_static,hf_cb")
+                       help="comma-separated: nbengine,hf_static,hf_cb,ct2 (ct2: "
+                            "CTranslate2, needs pip install ctranslate2)")
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                        help="weights and compute type")
     bench.add_argument("--quantization", default=None, choices=("int8", "int4", "int4-g32"),

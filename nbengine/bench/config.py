@@ -8,9 +8,11 @@ from typing import Any
 
 from nbengine.bench.workloads import ALL_WORKLOADS
 
-__all__ = ["ALL_ENGINES", "BenchConfig"]
+__all__ = ["ALL_ENGINES", "BenchConfig", "DEFAULT_ENGINES"]
 
-ALL_ENGINES = ("nbengine", "hf_static", "hf_cb")
+# ct2: CTranslate2, an optional peer (pip install ctranslate2), not run by default.
+ALL_ENGINES = ("nbengine", "hf_static", "hf_cb", "ct2")
+DEFAULT_ENGINES = ("nbengine", "hf_static", "hf_cb")
 
 
 @dataclass(slots=True)
@@ -31,7 +33,7 @@ class BenchConfig:
 
     model_dir: str | Path | None = None
     workloads: tuple[str, ...] = ALL_WORKLOADS
-    engines: tuple[str, ...] = ALL_ENGINES
+    engines: tuple[str, ...] = DEFAULT_ENGINES
     dtype: str = "bfloat16"
     quantization: str | None = None
     scale: float = 1.0
