@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--json", help="write the results here too")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens per step: 512 scores through the kernels' many-row (prefill) "
-                        "path; below 8 through their few-row (decode) path")
+                        "path; below 16 through their few-row (decode) path")
     args = p.parse_args()
 
     rows, stats = held_out_rows(Path(args.cache_dir))

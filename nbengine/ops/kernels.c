@@ -604,7 +604,7 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
  * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's)
  * and x as it is.
  */
-#define NB_Q_TILE_ROWS 8
+#define NB_Q_TILE_ROWS 16
 #define NB_Q8_FLUSH 64  /* 32-input steps between int32 -> float32 flushes (int8) */
 
 static inline float nb_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
@@ -764,32 +764,44 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
     }
 }
 
-/* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout. */
+/* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout: each
+ * row is dequantized 16 values at a time into `row` (Kp values, float32 arithmetic as
+ * ops/quant.py's dequantize, rounded to bf16), then its (2p, 2p + 1) pairs are placed. */
 static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64_t N, int64_t K,
-                              int64_t Kp, int64_t G, int64_t t, uint16_t *buf) {
+                              int64_t Kp, int64_t G, int64_t t, uint16_t *buf, uint16_t *row) {
+    uint32_t *b32 = (uint32_t *)buf;
+    const uint32_t *r32 = (const uint32_t *)row;
     for (int64_t j = 0; j < NB_TILE; j++) {
         const int64_t n = t * NB_TILE + j;
         if (n >= N) {
-            for (int64_t k = 0; k < K; k++) buf[(k >> 1) * NB_TILE * 2 + j * 2 + (k & 1)] = 0;
+            for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = 0;
             continue;
         }
         if (bits == 8) {
             const int8_t *wr = (const int8_t *)w + n * Kp;
-            const float s = ((const float *)scales)[n];
-            for (int64_t k = 0; k < K; k++)
-                buf[(k >> 1) * NB_TILE * 2 + j * 2 + (k & 1)] = nb_f32_to_bf16((float)wr[k] * s);
+            const __m512 s = _mm512_set1_ps(((const float *)scales)[n]);
+            for (int64_t k = 0; k < Kp; k += 16) {
+                const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
+                _mm256_storeu_si256((__m256i *)(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(q, s)));
+            }
         } else {
             const uint8_t *wr = (const uint8_t *)w + n * (Kp / 2);
             const uint16_t *p = (const uint16_t *)scales + n * (Kp / G) * 2;
             const int64_t half = G / 2;
-            for (int64_t k = 0; k < K; k++) {
-                const int64_t g = k / G, o = k % G;
-                const uint8_t b = wr[g * half + (o < half ? o : o - half)];
-                const float q = (float)(o < half ? b & 15 : b >> 4);
-                const float v = q * nb_f16_to_f32(p[2 * g]) + nb_f16_to_f32(p[2 * g + 1]);
-                buf[(k >> 1) * NB_TILE * 2 + j * 2 + (k & 1)] = nb_f32_to_bf16(v);
+            const __m512i low4 = _mm512_set1_epi32(15);
+            for (int64_t g = 0; g < Kp / G; g++) {
+                const __m512 s = _mm512_set1_ps(nb_f16_to_f32(p[2 * g]));
+                const __m512 z = _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1]));
+                for (int64_t c = 0; c < half; c += 16) {
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + g * half + c)));
+                    const __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), s), z);
+                    const __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s), z);
+                    _mm256_storeu_si256((__m256i *)(row + g * G + c), (__m256i)_mm512_cvtneps_pbh(lo));
+                    _mm256_storeu_si256((__m256i *)(row + g * G + half + c), (__m256i)_mm512_cvtneps_pbh(hi));
+                }
             }
         }
+        for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = r32[p];
     }
 }
 
@@ -813,13 +825,15 @@ static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *
 #pragma omp parallel num_threads(nthreads)
         {
             uint16_t *buf = (uint16_t *)aligned_alloc(64, (size_t)(K * NB_TILE * 2));
+            uint16_t *row = (uint16_t *)aligned_alloc(64, (size_t)((Kp * 2 + 63) / 64 * 64));
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < ntiles; t++) {
-                nb_q_dequant_tile(bits, w, scales, N, K, Kp, G, t, buf);
+                nb_q_dequant_tile(bits, w, scales, N, K, Kp, G, t, buf, row);
                 for (int64_t mt = 0; mt < mtiles; mt++)
                     nb_linear_tile(x, buf, bias, y, M, N, K, out_f32, t, mt);
             }
             free(buf);
+            free(row);
         }
         return;
     }

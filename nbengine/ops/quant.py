@@ -50,7 +50,7 @@ _REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
 # From this many input rows on (and with an even K), the native kernel multiplies by the
 # weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in ops/kernels.c); the
 # reference rounds them the same way there.
-TILE_ROWS = 8
+TILE_ROWS = 16
 
 
 def bytes_per_weight(mode: str) -> float:
