@@ -20,13 +20,13 @@ the whole weight dequantized.
 
 Products, as the kernels compute them (bfloat16 inputs):
 
-- fewer than ``TILE_ROWS`` rows (decode): each row of ``x`` is scaled to int16
+- int8, and int4 below ``TILE_ROWS`` rows: each row of ``x`` is scaled to int16
   (``round(x * 32767 / max|x|)``; the error is at most 1/65534 of the row's largest
   value, below bfloat16's own rounding of ``x``), and the dot products with the integer
   weights are exact integer sums, scaled afterwards. This is what lets the kernel stream
   weights at memory speed: one AVX-512 VNNI instruction per 32 products.
-- ``TILE_ROWS`` rows or more (prefill): the weights are dequantized to bfloat16 one tile
-  at a time and multiplied as a bfloat16 model's weights are.
+- int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to bfloat16 one
+  tile at a time and multiplied as a bfloat16 model's weights are.
 
 float32 inputs (float32 models: the kernels are not used) are multiplied in float32.
 """
@@ -47,10 +47,10 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_MODES: dict[str, int | None] = {"int8": None, "int4": 64, "int4-g32": 32}
 _INT8_ALIGN = 32
 _REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
-# From this many input rows on (and with an even K), the native kernel multiplies by the
-# weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in ops/kernels.c); the
-# reference rounds them the same way there.
-TILE_ROWS = 16
+# From this many input rows on (and with an even K), the native int4 kernel multiplies by
+# the weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in ops/kernels.c); the
+# reference rounds them the same way there. int8 never does.
+TILE_ROWS = 128
 
 
 def bytes_per_weight(mode: str) -> float:
@@ -125,16 +125,17 @@ def linear_quantized_reference(x: torch.Tensor, qweight: torch.Tensor, scales: t
     """``x [..., K] @ dequant(W).T (+ bias)`` in float32, rounded to ``out_dtype``.
 
     ``out_dtype`` None: the dtype of ``x``. Dequantizes ``_REF_ROWS`` output rows at a time.
-    bfloat16 ``x`` is multiplied as the kernels do (module docstring): below ``TILE_ROWS``
-    rows scaled to int16 with exact sums, from ``TILE_ROWS`` rows on (even K) by the
-    weights rounded to bfloat16.
+    bfloat16 ``x`` is multiplied as the kernels do (module docstring): scaled to int16 with
+    exact sums (int8; int4 below ``TILE_ROWS`` rows), or by the weights rounded to
+    bfloat16 (int4 from ``TILE_ROWS`` rows on, even K).
     """
     lead = x.shape[:-1]
     xf = x.reshape(-1, in_features).float()
     n = qweight.shape[0]
     y = torch.empty(xf.shape[0], n, dtype=torch.float32)
     bf16 = x.dtype == torch.bfloat16
-    tiled = bf16 and xf.shape[0] >= TILE_ROWS and in_features % 2 == 0
+    tiled = (bf16 and group_size is not None and xf.shape[0] >= TILE_ROWS
+             and in_features % 2 == 0)
     x_int16 = bf16 and not tiled
     if x_int16:
         xq, sx = quantize_rows_int16(xf)
