@@ -11,8 +11,9 @@ and reports
   share where the mode's most likely next token is bfloat16's.
 
 ``--max-num-batched-tokens 4`` scores in chunks of four tokens, which the quantized
-kernels multiply as they do in decode steps (inputs scaled to int16, ops/quant.py); the
-default (512) scores through their prefill path (weights dequantized to bfloat16).
+kernels multiply as they do in decode steps (inputs scaled to int16, ops/quant.py); with
+the default (512), int4 products of 128 rows or more take the prefill path (weights
+dequantized to bfloat16 per tile).
 
 Prompts are rows of 255 tokens (the model's context is 256 and one token is generated),
 so the perplexity covers 254 predictions per row where training's evaluation covered 256:
@@ -105,8 +106,8 @@ def main() -> None:
     p.add_argument("--cache-dir", default="/work/train_out/cache")
     p.add_argument("--json", help="write the results here too")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="tokens per step: 512 scores through the kernels' many-row (prefill) "
-                        "path; below 16 through their few-row (decode) path")
+                   help="tokens per step: from 128, int4 scores partly through the kernels' "
+                        "prefill path; below 128 only through their decode path")
     args = p.parse_args()
 
     rows, stats = held_out_rows(Path(args.cache_dir))
