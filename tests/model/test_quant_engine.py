@@ -94,3 +94,11 @@ def test_pre_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="quantization_config.*gptq"):
         nb.Engine(str(path), num_kv_blocks=8)
+
+
+def test_bench_quantization_option_is_validated() -> None:
+    from nbengine.bench import BenchConfig
+
+    assert BenchConfig(quantization="int4").quantization == "int4"
+    with pytest.raises(ValueError, match="quantization"):
+        BenchConfig(quantization="int3")
