@@ -189,6 +189,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
         engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
         dtype=args.dtype,
+        quantization=args.quantization,
         scale=0.1 if args.quick else args.scale,
         repeats=args.repeats,
         abort_latency=not args.no_abort,
@@ -329,9 +330,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="model directory (default: random weights in SmolLM2-135M's shape)")
     bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
     bench.add_argument("--engines", default="nbengine,hf_static,hf_cb",
-                       help="comma-separated: nbengine,hf_static,hf_cb")
+                       help="comma-separated: nbengine,hf_static,hf_cb,ct2 (ct2: "
+                            "CTranslate2, needs pip install ctranslate2)")
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                        help="weights and compute type")
+    bench.add_argument("--quantization", default=None, choices=("int8", "int4", "int4-g32"),
+                       help="nbengine's weights quantized (docs/quantization.md); the "
+                            "bandwidth bound counts the quantized bytes")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink workloads (e.g. 0.1)")
     bench.add_argument("--quick", action="store_true", help="same as --scale 0.1")
     bench.add_argument("--repeats", type=_positive_int, default=1,

@@ -10,6 +10,7 @@ from nbengine.sampling_params import SEED_MAX, SEED_MIN
 from nbengine.validation import is_int, is_number
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_QUANTIZATION = ("int8", "int4", "int4-g32")  # ops/quant.py, docs/quantization.md
 _POLICIES = ("fcfs", "priority")
 
 
@@ -49,6 +50,8 @@ class ModelConfig:
     None (the default, as in vLLM) draws a fresh random seed for each engine, so two runs
     of a notebook sample different text. The seed drawn is kept here: pass it back as
     ``seed=`` to repeat a run.
+    ``quantization`` ("int8", "int4", "int4-g32"; None: off) quantizes the weights of every
+    linear layer when the model loads (weight-only; docs/quantization.md).
     """
 
     model: str | Path | None = None
@@ -60,6 +63,7 @@ class ModelConfig:
     # logprobs=-1 means the whole vocabulary), and what the returned logprobs are.
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check_types(self, ints=("max_model_len", "max_logprobs"))
@@ -81,6 +85,11 @@ class ModelConfig:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}.")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise TypeError(f"revision must be a non-empty string or None, got {self.revision!r}.")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise TypeError(f"quantization must be a string or None, got {self.quantization!r}.")
+        if self.quantization is not None and self.quantization not in _QUANTIZATION:
+            raise ValueError(f"quantization must be one of {_QUANTIZATION} or None, "
+                             f"got {self.quantization!r}.")
 
 
 @dataclass(slots=True)

@@ -8,9 +8,11 @@ from typing import Any
 
 from nbengine.bench.workloads import ALL_WORKLOADS
 
-__all__ = ["ALL_ENGINES", "BenchConfig"]
+__all__ = ["ALL_ENGINES", "BenchConfig", "DEFAULT_ENGINES"]
 
-ALL_ENGINES = ("nbengine", "hf_static", "hf_cb")
+# ct2: CTranslate2, an optional peer (pip install ctranslate2), not run by default.
+ALL_ENGINES = ("nbengine", "hf_static", "hf_cb", "ct2")
+DEFAULT_ENGINES = ("nbengine", "hf_static", "hf_cb")
 
 
 @dataclass(slots=True)
@@ -23,14 +25,17 @@ class BenchConfig:
     the torch thread count of every engine alike (None: the physical cores), and
     ``omp_wait_policy`` the ``OMP_WAIT_POLICY`` of every engine's process (PASSIVE, what
     ``import nbengine`` sets when nothing else has, is what a notebook gets).
-    ``scale`` shrinks every workload (0.1 for a smoke run). A figure whose repeats
+    ``quantization`` runs nbengine with quantized weights (``nb.Engine(quantization=)``;
+    the transformers engines stay in ``dtype``) and counts the quantized weight bytes in
+    the bandwidth bound. ``scale`` shrinks every workload (0.1 for a smoke run). A figure whose repeats
     disagree by more than ``max_spread`` ((max - min) / median) is reported with a warning.
     """
 
     model_dir: str | Path | None = None
     workloads: tuple[str, ...] = ALL_WORKLOADS
-    engines: tuple[str, ...] = ALL_ENGINES
+    engines: tuple[str, ...] = DEFAULT_ENGINES
     dtype: str = "bfloat16"
+    quantization: str | None = None
     scale: float = 1.0
     repeats: int = 1
     seed: int = 0
@@ -52,6 +57,12 @@ class BenchConfig:
         for e in self.engines:
             if e not in ALL_ENGINES:
                 raise ValueError(f"Unknown engine {e!r}; choose from {ALL_ENGINES}.")
+        if self.quantization is not None:
+            from nbengine.ops.quant import QUANTIZATION_MODES
+
+            if self.quantization not in QUANTIZATION_MODES:
+                raise ValueError(f"quantization must be one of {tuple(QUANTIZATION_MODES)} or "
+                                 f"None, got {self.quantization!r}.")
         if self.scale <= 0:
             raise ValueError(f"scale must be positive, got {self.scale}.")
         if self.omp_wait_policy not in ("PASSIVE", "ACTIVE"):

@@ -9,6 +9,9 @@
 - ``HFContinuousDriver``: transformers' continuous batching (the manager behind
   ``generate_batch``; requests are added one by one so each keeps its own
   ``max_new_tokens``), with per-token timestamps (``record_timestamps``).
+- ``CT2Driver``: CTranslate2's ``Generator`` (optional: ``pip install ctranslate2``; not a
+  default engine), the model converted once into the bench cache; static batches as
+  ``HFStaticDriver``, a per-step callback timestamps every token.
 
 All times are ``time.perf_counter()`` seconds; TTFT is measured from the moment the
 whole workload was submitted (t0).
@@ -295,3 +298,73 @@ class HFContinuousDriver:
                 res.extra["length_mismatches"] += 1
         return res
 
+
+
+# ------------------------------------------------------------------------- CTranslate2
+
+
+def ct2_compute_type(dtype: str, quantization: str | None) -> str:
+    """CTranslate2's CPU compute type for a bench run: int8 for any nbengine quantization
+    (CTranslate2 has no int4), else float32 (it has no bfloat16 on CPUs)."""
+    return "int8" if quantization is not None else "float32"
+
+
+def ct2_model_dir(model_dir: Path, compute_type: str) -> Path:
+    """``model_dir`` converted to CTranslate2's format (once; cached beside it)."""
+    import ctranslate2
+
+    out = model_dir.parent / f"{model_dir.name}-ct2-{compute_type}"
+    if not (out / "model.bin").is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        ctranslate2.converters.TransformersConverter(str(model_dir)).convert(
+            str(tmp), quantization=compute_type, force=True)
+        tmp.replace(out)
+    return out
+
+
+class CT2Driver:
+    """CTranslate2's ``Generator`` on static batches of ``batch_size`` prompts."""
+
+    name = "ct2"
+
+    def __init__(self, model_dir: Path, dtype: str, batch_size: int = 16,
+                 quantization: str | None = None) -> None:
+        import ctranslate2
+        from tokenizers import Tokenizer
+
+        self.compute_type = ct2_compute_type(dtype, quantization)
+        self.generator = ctranslate2.Generator(
+            str(ct2_model_dir(model_dir, self.compute_type)), device="cpu",
+            compute_type=self.compute_type, intra_threads=torch.get_num_threads())
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
+        self.batch_size = batch_size
+
+    def run(self, wl: Workload) -> RunResult:
+        res = RunResult(self.name, wl.name)
+        res.extra.update(batch_size=self.batch_size, compute_type=self.compute_type)
+        t0 = time.perf_counter()
+        for s in range(0, len(wl.prompts), self.batch_size):
+            prompts = wl.prompts[s : s + self.batch_size]
+            outs = wl.output_lens[s : s + self.batch_size]
+            n_new = max(outs)
+            steps: dict[int, float] = {}
+
+            def on_step(step: Any, steps: dict[int, float] = steps) -> bool:
+                steps.setdefault(step.step, time.perf_counter())
+                return False  # go on
+
+            results = self.generator.generate_batch(
+                [[self.tokens[i] for i in p] for p in prompts], max_batch_size=self.batch_size,
+                max_length=n_new, min_length=n_new, include_prompt_in_result=False,
+                sampling_topk=1, callback=on_step)
+            times = [steps[k] for k in sorted(steps)]
+            for p, n, r in zip(prompts, outs, results):
+                if len(r.sequences_ids[0]) < n:
+                    res.extra["length_mismatches"] = res.extra.get("length_mismatches", 0) + 1
+                res.prompt_tokens += len(p)
+                res.output_tokens += n
+                res.ttft_s.append(times[0] - t0)
+                res.itl_s.extend(b - a for a, b in zip(times[: n - 1], times[1:n]))
+        res.wall_s = time.perf_counter() - t0
+        return res

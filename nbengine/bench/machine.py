@@ -120,6 +120,8 @@ class ModelShape:
     vocab: int
     tied: bool
     elem_bytes: int
+    # Bytes per matmul weight when they differ from elem_bytes (quantized weights).
+    weight_elem_bytes: float | None = None
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], elem_bytes: int) -> ModelShape:
@@ -152,7 +154,8 @@ class ModelShape:
     @property
     def weight_bytes(self) -> int:
         """Bytes a step must read: layer matmuls + lm_head (the embedding rows are negligible)."""
-        return (self.layer_params + self.lm_head_params) * self.elem_bytes
+        per = self.elem_bytes if self.weight_elem_bytes is None else self.weight_elem_bytes
+        return int((self.layer_params + self.lm_head_params) * per)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -142,7 +142,9 @@ def format_report(report: dict[str, Any]) -> str:
     m = report["machine"]
     cfg = report["config"]
     lines = [
-        f"nbengine bench: model {cfg['model_dir']} ({cfg['dtype']}), scale {cfg['scale']}, "
+        f"nbengine bench: model {cfg['model_dir']} ({cfg['dtype']}"
+        + (f"; nbengine weights {cfg['quantization']}" if cfg.get("quantization") else "")
+        + f"), scale {cfg['scale']}, "
         f"repeats {cfg['repeats']}",
         f"machine: {m.get('cpu_model', '?')}, {m['cpu_count']} CPUs, flags {' '.join(m['cpu_flags'])}, torch {m['torch']} "
         f"({m['torch_threads']} threads), transformers {m['transformers']}",

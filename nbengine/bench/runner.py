@@ -73,8 +73,14 @@ class _Run:
         self.tdtype: torch.dtype = getattr(torch, cfg.dtype)
         self.shape = ModelShape.from_config(
             self.hf_cfg, torch.empty((), dtype=self.tdtype).element_size())
+        if cfg.quantization is not None:
+            from nbengine.ops.quant import bytes_per_weight
+
+            self.shape.weight_elem_bytes = bytes_per_weight(cfg.quantization)
         self.wls = make_workloads(cfg.workloads, self.shape.vocab, cfg.scale, cfg.seed)
         ekw = {"max_num_seqs": 64, "max_num_batched_tokens": 512, **cfg.engine_kwargs}
+        if cfg.quantization is not None:
+            ekw["quantization"] = cfg.quantization
         max_len = max(len(p) + o for w in self.wls.values()
                       for p, o in zip(w.prompts, w.output_lens))
         ekw.setdefault("max_model_len", min(int(self.hf_cfg.get("max_position_embeddings", 2048)),
@@ -100,7 +106,8 @@ class _Run:
         cfg = self.cfg
         return {
             "config": {
-                "model_dir": str(self.path), "dtype": cfg.dtype, "scale": cfg.scale,
+                "model_dir": str(self.path), "dtype": cfg.dtype,
+                "quantization": cfg.quantization, "scale": cfg.scale,
                 "repeats": cfg.repeats, "seed": cfg.seed, "workloads": list(cfg.workloads),
                 "engines": list(cfg.engines), "engine_kwargs": self.ekw,
                 "static_batch_size": cfg.static_batch_size, "threads": self.threads,

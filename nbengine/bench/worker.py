@@ -68,6 +68,11 @@ def _driver(job: Job) -> Any:
     if job.engine == "hf_cb":
         return HFContinuousDriver(path, job.dtype, job.engine_kwargs["max_num_batched_tokens"],
                                   job.engine_kwargs["max_num_seqs"])
+    if job.engine == "ct2":
+        from nbengine.bench.engines import CT2Driver
+
+        return CT2Driver(path, job.dtype, job.static_batch_size,
+                         job.engine_kwargs.get("quantization"))
     raise ValueError(f"unknown engine {job.engine!r}")
 
 

@@ -77,7 +77,7 @@ class Engine:
 
     ``Engine(model=None, **kwargs)``: ``model`` is a Hugging Face-format directory (None:
     the shipped default model); keyword arguments are ``EngineConfig`` fields
-    (``dtype``, ``max_model_len``, ``seed``, ``block_size``, ``num_kv_blocks``,
+    (``dtype``, ``quantization``, ``max_model_len``, ``seed``, ``block_size``, ``num_kv_blocks``,
     ``enable_prefix_caching``, ``kv_cache_memory_gb``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``policy``, ``enable_chunked_prefill``,
     ``stream_interval``). ``generate()`` returns a ``RequestHandle`` at once and is safe
@@ -649,8 +649,10 @@ class Engine:
         runner = getattr(getattr(self._client, "core", None), "runner", None)
         plan = getattr(runner, "memory_plan", None)
         memory = f", memory: {plan.summary()}" if plan is not None and self.is_alive else ""
-        return (f"Engine(model={shown!r}, dtype={self.dtype}, max_model_len={self._max_model_len}, "
-                f"{state}{memory})")
+        quant = self.config.model.quantization
+        quantized = "" if quant is None else f"quantization={quant}, "
+        return (f"Engine(model={shown!r}, dtype={self.dtype}, {quantized}"
+                f"max_model_len={self._max_model_len}, {state}{memory})")
 
     @property
     def dtype(self) -> str:

@@ -66,6 +66,14 @@ def check_hf_config(cfg: dict[str, Any], path: Path) -> None:
     for name in STRINGS:
         if name in cfg and not isinstance(cfg[name], str):
             raise _fail(cfg_file, name, cfg[name], "a string")
+    qcfg = cfg.get("quantization_config")
+    if qcfg:
+        method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg
+        raise ModelLoadError(
+            f"{cfg_file}: quantization_config ({method!r}): pre-quantized checkpoints are not "
+            "supported; load the unquantized checkpoint with quantization=\"int8\" or "
+            "\"int4\" (docs/quantization.md)."
+        )
     heads = cfg.get("num_attention_heads", cfg.get("n_head"))
     hidden = cfg.get("hidden_size", cfg.get("n_embd"))
     if isinstance(heads, int) and isinstance(hidden, int) and cfg.get("head_dim") is None \

@@ -7,6 +7,10 @@ single token, ``DecodePlan.run`` hands the whole stack to ``nb_decoder_decode``
 (ops/kernels.c), which chains the same kernels in the same order, so the results are
 bit-identical to the module path (tests/model/test_decode_plan.py checks that).
 
+With weight-only quantization (ops/quant.py) the plan runs the quantized kernels in
+place of the bfloat16 ones, with the same per-call choices (rows below or above the tile
+threshold), so it stays bit-identical to the module path.
+
 A plan is built once per model and KV cache: it holds raw pointers to the model's packed
 weights and to the cache tensors, which stay alive and in place for the runner's life.
 
@@ -24,10 +28,12 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from nbengine.ops import native
 from nbengine.ops.attention import AttentionMetadata
 from nbengine.ops.linear import NativeLinear
+from nbengine.ops.quant import QuantLinear
 
 if TYPE_CHECKING:
     from nbengine.model.llama import LlamaForCausalLM
@@ -39,7 +45,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [*[(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
         "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")],
-        ("window", ctypes.c_int64)]  # sliding window; 0: full attention
+        ("window", ctypes.c_int64),  # sliding window; 0: full attention
+        *[(name, _P) for name in ("qkv_scales", "o_scales", "gate_up_scales", "down_scales")]]
 
 
 class _Decoder(ctypes.Structure):
@@ -50,6 +57,7 @@ class _Decoder(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos", _P), ("sin", _P), ("layers", ctypes.POINTER(_Layer)),
         ("final_norm", _P), ("lm_head", _P), ("vocab", ctypes.c_int64),
+        ("qbits", ctypes.c_int64), ("qgroup", ctypes.c_int64), ("lm_head_scales", _P),
     ]
 
 
@@ -95,28 +103,44 @@ class DecodePlan:
             self._tensors.append(t)
             return t.data_ptr()
 
+        first = model.layers[0].self_attn.qkv_proj
+        # Weight-only quantization (ops/quant.py): every linear in one format, or none.
+        mode = first.mode if isinstance(first, QuantLinear) else None
+
+        def weights(lin: nn.Module) -> tuple[int | None, int | None]:
+            if isinstance(lin, QuantLinear):
+                return ptr(lin._q), ptr(lin._s)
+            return ptr(lin._w), None
+
         layers = (_Layer * a.num_layers)()
         for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
+            (qkv, qkv_s), (o, o_s) = weights(attn.qkv_proj), weights(attn.o_proj)
+            (gu, gu_s), (down, down_s) = weights(mlp.gate_up_proj), weights(mlp.down_proj)
             layers[i] = _Layer(
                 ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
-                ptr(attn.qkv_proj._w), ptr(attn.qkv_proj._b),
-                ptr(attn.o_proj._w), ptr(attn.o_proj._b),
-                ptr(mlp.gate_up_proj._w), ptr(mlp.gate_up_proj._b),
-                ptr(mlp.down_proj._w), ptr(mlp.down_proj._b),
-                ptr(kc), ptr(vc), attn.window or 0,
+                qkv, ptr(attn.qkv_proj._b), o, ptr(attn.o_proj._b),
+                gu, ptr(mlp.gate_up_proj._b), down, ptr(mlp.down_proj._b),
+                ptr(kc), ptr(vc), attn.window or 0, qkv_s, o_s, gu_s, down_s,
             )
         rot = model.rotary
         head = model.lm_head
-        # The head runs in the plan when it is a native linear without bias (else in Python).
-        self.has_lm_head = (isinstance(head, NativeLinear) and head._b is None
+        # The head runs in the plan when it is a native linear without bias, in the
+        # layers' format (else in Python).
+        head_kind = QuantLinear if mode is not None else NativeLinear
+        self.has_lm_head = (isinstance(head, head_kind) and head._b is None
+                            and getattr(head, "mode", None) == mode
+                            and getattr(head, "is_native", True)
                             and model.norm.weight.dtype == torch.bfloat16)
+        head_w, head_s = weights(head) if self.has_lm_head else (None, None)
         self._layers = layers  # referenced by the struct: keep alive
         self._decoder = _Decoder(
             a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
             a.head_dim, kv_caches[0][0].shape[1], model.layers[0].input_layernorm.eps,
             model.layers[0].self_attn.scale, ptr(rot.cos), ptr(rot.sin), layers,
-            ptr(model.norm.weight), ptr(head._w) if self.has_lm_head else None, a.vocab_size)
+            ptr(model.norm.weight), head_w, a.vocab_size,
+            0 if mode is None else (8 if first.group_size is None else 4),
+            (first.group_size or 0) if mode is not None else 0, head_s)
         self.hidden = a.hidden_size
         self.vocab = a.vocab_size
         self.threads = ThreadChooser()
@@ -175,11 +199,16 @@ def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tenso
         return None
     if model.rotary.cos.dtype != torch.float32:
         return None
+    first = model.layers[0].self_attn.qkv_proj
+    mode = first.mode if isinstance(first, QuantLinear) else None
     for layer, (kc, vc) in zip(model.layers, kv_caches):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if not all(isinstance(m, NativeLinear) for m in linears):
+        if mode is None and not all(isinstance(m, NativeLinear) for m in linears):
+            return None
+        if mode is not None and not all(isinstance(m, QuantLinear) and m.is_native
+                                        and m.mode == mode for m in linears):
             return None
         if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
             return None

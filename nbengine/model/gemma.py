@@ -33,6 +33,7 @@ from nbengine.model.windows import layer_types, layer_windows
 from nbengine.ops.activation import gelu_tanh_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
 from nbengine.ops.linear import NativeLinear
+from nbengine.ops.quant import QuantLinear
 from nbengine.ops.rotary import RotaryEmbedding, with_original_length
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -238,7 +239,7 @@ class GemmaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32, soft-capped where the config says so."""
         head = self.lm_head
-        if isinstance(head, NativeLinear):
+        if isinstance(head, (NativeLinear, QuantLinear)):
             logits = head(hidden, out_dtype=torch.float32)
         else:
             logits = head(hidden).float()

@@ -32,6 +32,7 @@ from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.ops.activation import silu_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
 from nbengine.ops.linear import NativeLinear
+from nbengine.ops.quant import QuantLinear
 from nbengine.ops.rms_norm import RMSNorm
 from nbengine.ops.rotary import RotaryEmbedding, with_original_length
 
@@ -303,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the selected hidden rows."""
         head = self.lm_head
-        if isinstance(head, NativeLinear):  # float32 straight from the kernel's accumulators
+        if isinstance(head, (NativeLinear, QuantLinear)):  # float32 straight from the kernel's accumulators
             return head(hidden, out_dtype=torch.float32)
         return head(hidden).float()
 

@@ -327,12 +327,18 @@ def load_model(
     model.tie_weights()
     model.to(dtype)
     load_weights(model, model.hf_weight_map(), path, dtype)
+    if config.quantization is not None:
+        # Weight-only quantization of every linear layer, from the weights just read
+        # (ops/quant.py; docs/quantization.md).
+        from nbengine.ops.quant import quantize_linears
+
+        quantize_linears(model, config.quantization)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             # model.to(dtype) cast the rope tables too; they stay float32 for exactness.
             module.reset_tables()
     model.eval()
-    vocab = int(model.lm_head.weight.shape[0])
+    vocab = int(model.lm_head.out_features)
     return LoadedModel(
         model=model,
         hf_config=cfg,

@@ -5,7 +5,9 @@ the model yet (the ``before_weights`` hook of ``load_model``). It estimates
 
 - the **weights**: every tensor in the safetensors headers (shapes only; nothing is
   read) at the dtype the engine will use, not the checkpoint's; plus the separate packed
-  ``lm_head`` that bfloat16 models with tied embeddings get (ops/linear.py);
+  ``lm_head`` that bfloat16 models with tied embeddings get (ops/linear.py); with
+  ``quantization``, linear weights at that format's bytes per weight (ops/quant.py), so
+  the KV cache gets the memory they no longer take;
 - the **RoPE tables**: cos and sin, float32, ``max_model_len x head_dim / 2`` each, per
   distinct RoPE setting (Gemma 3 has two; ops/rotary.py), which matter for very long
   contexts;
@@ -104,7 +106,12 @@ def available_memory() -> int | None:
 
 def _safetensors_numels(files: list[Path]) -> dict[str, int]:
     """Tensor name -> element count, from the files' JSON headers (no tensor is read)."""
-    numels: dict[str, int] = {}
+    return {name: math.prod(shape) for name, shape in _safetensors_shapes(files).items()}
+
+
+def _safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from the files' JSON headers (no tensor is read)."""
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         try:
             size = f.stat().st_size
@@ -122,27 +129,46 @@ def _safetensors_numels(files: list[Path]) -> dict[str, int]:
             ) from exc
         for name, info in header.items():
             if name != "__metadata__" and isinstance(info, dict):
-                numels[name] = math.prod(int(d) for d in info.get("shape", ()))
-    return numels
+                shapes[name] = tuple(int(d) for d in info.get("shape", ()))
+    return shapes
 
 
-def weights_bytes(files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype) -> int:
-    """Bytes the model's parameters will take at ``dtype``."""
-    numels = _safetensors_numels(files)
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "wpe.weight")
+
+
+def weights_bytes(files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype,
+                  quantization: str | None = None) -> int:
+    """Bytes the model's parameters will take at ``dtype``.
+
+    With ``quantization``, every linear layer's weight (a 2-D tensor that is not an
+    embedding) at that format's bytes per weight (ops/quant.py), and a tied ``lm_head``
+    as a quantized copy of the embedding.
+    """
+    shapes = _safetensors_shapes(files)
     tied = bool(cfg.get("tie_word_embeddings", arch == "GPT2LMHeadModel"))
-    total = 0
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_weight = float(elem)
+    if quantization is not None:
+        from nbengine.ops.quant import bytes_per_weight
+
+        per_weight = bytes_per_weight(quantization)
+    total = 0.0
     embed = 0
-    for name, n in numels.items():
+    for name, shape in shapes.items():
+        n = math.prod(shape)
         if arch == "GPT2LMHeadModel" and name.endswith((".attn.bias", ".attn.masked_bias")):
             continue  # GPT-2's stored causal masks are buffers nbengine does not load
         if tied and name == "lm_head.weight":
             continue  # the tied head shares the embedding
         if name.endswith(("embed_tokens.weight", "wte.weight")):
             embed = n
-        total += n
-    if tied and dtype == torch.bfloat16:
-        total += embed  # bfloat16 packing gives a tied lm_head its own copy (ops/linear.py)
-    return total * torch.empty((), dtype=dtype).element_size()
+        linear = len(shape) == 2 and not name.endswith(_EMBEDDINGS)
+        total += n * (per_weight if linear else elem)
+    if tied and quantization is not None:
+        total += embed * per_weight  # the tied head's own quantized copy
+    elif tied and dtype == torch.bfloat16:
+        total += embed * elem  # bfloat16 packing gives a tied lm_head its own copy (ops/linear.py)
+    return int(total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +183,7 @@ class MemoryPlan:
     max_model_len: int
     dtype: str
     available_bytes: int | None  # free when planned; None if it could not be told
+    quantization: str | None = None  # the weights' format (ops/quant.py); None: dtype
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -178,7 +205,8 @@ class MemoryPlan:
         free = ("" if self.available_bytes is None
                 else f" of {format_bytes(self.available_bytes)} free")
         rope = f" + RoPE tables {format_bytes(self.buffers_bytes)}" if self.buffers_bytes else ""
-        return (f"weights {format_bytes(self.weights_bytes)} ({self.dtype}){rope} + KV cache "
+        kind = self.dtype if self.quantization is None else f"{self.quantization}, {self.dtype} activations"
+        return (f"weights {format_bytes(self.weights_bytes)} ({kind}){rope} + KV cache "
                 f"{format_bytes(self.kv_cache_bytes)} ({self.kv_tokens} tokens) = "
                 f"{format_bytes(self.total_bytes)}{free}")
 
@@ -228,7 +256,8 @@ def plan_memory(
         available = available_memory()
     cache, sched = config.cache, config.scheduler
     dtype_name = str(dtype).removeprefix("torch.")
-    weights = weights_bytes(weight_files, cfg, arch, dtype)
+    quantization = config.model.quantization
+    weights = weights_bytes(weight_files, cfg, arch, dtype, quantization)
     layers, kv_heads, head_dim, rope = _kv_dims(cfg, arch, max_model_len)
     fixed = weights + rope
     elem = torch.empty((), dtype=dtype).element_size()
@@ -258,7 +287,7 @@ def plan_memory(
                 + _advice(dtype)
             )
     plan = MemoryPlan(weights, rope, per_block, blocks, cache.block_size, max_model_len, dtype_name,
-                      available)
+                      available, quantization)
     if available is not None and plan.total_bytes > available:
         raise InsufficientMemoryError(
             f"The model does not fit in free memory: weights {format_bytes(weights)} "

@@ -59,7 +59,8 @@ class ModelRunner:
         self.memory_plan: MemoryPlan = plans[0]
         self.loaded = loaded
         self.model = loaded.model
-        if self.model is not None and loaded.dtype == torch.bfloat16:
+        if (self.model is not None and loaded.dtype == torch.bfloat16
+                and config.model.quantization is None):
             # Prepacked oneDNN weights: exact vs F.linear, 1.5-2x faster on CPU (ops/linear.py).
             n_packed = pack_linears(self.model, config.scheduler.max_num_seqs)
             logger.info("Packed %d bfloat16 linear layers for oneDNN.", n_packed)

@@ -43,12 +43,12 @@ static inline void nb_store16(void *y, int64_t off, int64_t nvalid, __m512 v,
         _mm256_mask_storeu_epi16((uint16_t *)y + off, mk, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* Output tile t (64 features) for input rows 4 mt .. 4 mt + 3. */
-static void nb_linear_tile(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
+/* Output tile t (64 features) for input rows 4 mt .. 4 mt + 3; `wt` is that tile's packed
+ * weights ([K/2, 64, 2]: inside a whole packed matrix, or a tile dequantized on the fly). */
+static void nb_linear_tile(const uint16_t *x, const uint16_t *wt, const uint16_t *bias,
                            void *y, int64_t M, int64_t N, int64_t K, int out_f32, int64_t t,
                            int64_t mt) {
     const int64_t pairs = K / 2;
-    const uint16_t *wt = w_packed + t * pairs * NB_TILE * 2;
     const int64_t n0 = t * NB_TILE, m0 = mt * 4;
     const int64_t rows = M - m0 < 4 ? M - m0 : 4;
     const uint16_t *bt = bias ? bias + n0 : 0;
@@ -119,7 +119,7 @@ void nb_linear_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t 
 #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < ntiles; t++)
         for (int64_t mt = 0; mt < mtiles; mt++)
-            nb_linear_tile(x, w_packed, bias, y, M, N, K, out_f32, t, mt);
+            nb_linear_tile(x, w_packed + t * (K / 2) * NB_TILE * 2, bias, y, M, N, K, out_f32, t, mt);
 }
 
 /* This thread's share (of `nt`) of the output tiles, for every row: used inside a
@@ -130,7 +130,7 @@ static void nb_linear_share(const uint16_t *x, const uint16_t *w_packed, const u
     const int64_t begin = ntiles * tid / nt, end = ntiles * (tid + 1) / nt;
     for (int64_t t = begin; t < end; t++)
         for (int64_t mt = 0; mt < mtiles; mt++)
-            nb_linear_tile(x, w_packed, bias, y, M, N, K, out_f32, t, mt);
+            nb_linear_tile(x, w_packed + t * (K / 2) * NB_TILE * 2, bias, y, M, N, K, out_f32, t, mt);
 }
 
 /* ---- small helpers ------------------------------------------------------------------ */
@@ -356,6 +356,14 @@ void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
     }
 }
 
+/* Quantized linears (defined at the end of this file). */
+static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
+                        const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                        int64_t Kp, int64_t G, int out_f32, int nthreads);
+static void nb_linear_q_share(int bits, const uint16_t *x, const void *w, const void *scales,
+                              const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                              int64_t Kp, int64_t G, int out_f32, int tid, int nt);
+
 /* ---- A whole Llama-family decoder stack for a decode-only step -------------------------
  *
  * One call runs every layer for B single-token sequences, chaining the kernels above in
@@ -369,9 +377,11 @@ void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
  */
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [H] */
-    const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    /* The weights: packed bf16, or quantized (then *_scales point to their scales). */
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     uint16_t *k_cache, *v_cache;  /* [num_blocks, block_size, Hkv, D] */
     int64_t window;  /* sliding-window attention over this many keys; 0: full attention */
+    const void *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
 } nb_layer;
 
 typedef struct {
@@ -379,9 +389,20 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin;  /* [max_positions, D / 2] */
     const nb_layer *layers;
-    const uint16_t *final_norm, *lm_head;  /* [H]; packed [vocab, H], no bias */
+    const uint16_t *final_norm;  /* [H] */
+    const void *lm_head;  /* packed (or quantized) [vocab, H], no bias */
     int64_t vocab;
+    /* Weight-only quantization of every linear (the head's too): 0 (bf16), 8 or 4 bits,
+     * the int4 group size, and the head's scales. */
+    int64_t qbits, qgroup;
+    const void *lm_head_scales;
 } nb_decoder;
+
+/* Kp of a quantized row of K inputs (ops/quant.py pads int8 to 16, int4 to the group). */
+static inline int64_t nb_q_padded(int64_t bits, int64_t group, int64_t K) {
+    const int64_t a = bits == 8 ? 32 : group;
+    return (K + a - 1) / a * a;
+}
 
 /* A spinning barrier for the threads of one parallel region. libgomp's own barrier
  * sleeps at once under OMP_WAIT_POLICY=PASSIVE (which nbengine sets), and a futex
@@ -421,9 +442,15 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
     const int64_t Hq = m->num_heads, Hkv = m->num_kv_heads;
     const int64_t nqkv = (Hq + 2 * Hkv) * D;
 #define NB_SYNC() do { if (nt > 1) nb_barrier_wait(bar); } while (0)
-#define NB_LINEAR(in, w, b, out, N, K)                                                    \
+    const int qb = (int)m->qbits;
+    const int64_t G = m->qgroup;
+#define NB_LINEAR(in, w, sc, b, out, N, K)                                                \
     do {                                                                                  \
-        if (nt > 1) nb_linear_share(in, w, b, out, B, N, K, 0, tid, nt);                   \
+        if (qb) {                                                                         \
+            const int64_t kp_ = nb_q_padded(qb, G, K);                                    \
+            if (nt > 1) nb_linear_q_share(qb, in, w, sc, b, out, B, N, K, kp_, G, 0, tid, nt); \
+            else nb_linear_q(qb, in, w, sc, b, out, B, N, K, kp_, G, 0, lin_threads);      \
+        } else if (nt > 1) nb_linear_share(in, w, b, out, B, N, K, 0, tid, nt);            \
         else nb_linear_bf16(in, w, b, out, B, N, K, 0, lin_threads);                       \
     } while (0)
     for (int64_t l = 0; l < m->num_layers; l++) {
@@ -437,7 +464,7 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
             }
         }
         NB_SYNC();
-        NB_LINEAR(h, L->qkv, L->qkv_bias, qkv, nqkv, H);
+        NB_LINEAR(h, L->qkv, L->qkv_scales, L->qkv_bias, qkv, nqkv, H);
         NB_SYNC();
         if (tid == 0) {
             nb_rotary_bf16(qkv, positions, m->cos, m->sin, B, Hq + Hkv, D, nqkv, row_threads);
@@ -451,22 +478,28 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
                                      attn_threads, L->window);
         }
         NB_SYNC();
-        NB_LINEAR(attn, L->o, L->o_bias, x, H, Hq * D);
+        NB_LINEAR(attn, L->o, L->o_scales, L->o_bias, x, H, Hq * D);
         NB_SYNC();
         if (tid == 0)
             nb_rms_norm_bf16(x, residual, L->post_norm, h, residual, B, H, m->eps, row_threads);
         NB_SYNC();
-        NB_LINEAR(h, L->gate_up, L->gate_up_bias, gu, 2 * I, H);
+        NB_LINEAR(h, L->gate_up, L->gate_up_scales, L->gate_up_bias, gu, 2 * I, H);
         NB_SYNC();
         if (tid == 0) nb_silu_mul_bf16(gu, act, B, I, row_threads);
         NB_SYNC();
-        NB_LINEAR(act, L->down, L->down_bias, x, H, I);
+        NB_LINEAR(act, L->down, L->down_scales, L->down_bias, x, H, I);
         NB_SYNC();
     }
     if (logits) {
         if (tid == 0) nb_rms_norm_bf16(x, residual, m->final_norm, h, residual, B, H, m->eps, row_threads);
         NB_SYNC();
-        if (nt > 1) nb_linear_share(h, m->lm_head, 0, logits, B, m->vocab, H, 1, tid, nt);
+        if (qb && nt > 1)
+            nb_linear_q_share(qb, h, m->lm_head, m->lm_head_scales, 0, logits, B, m->vocab, H,
+                              nb_q_padded(qb, G, H), G, 1, tid, nt);
+        else if (qb)
+            nb_linear_q(qb, h, m->lm_head, m->lm_head_scales, 0, logits, B, m->vocab, H,
+                        nb_q_padded(qb, G, H), G, 1, lin_threads);
+        else if (nt > 1) nb_linear_share(h, m->lm_head, 0, logits, B, m->vocab, H, 1, tid, nt);
         else nb_linear_bf16(h, m->lm_head, 0, logits, B, m->vocab, H, 1, lin_threads);
     }
 #undef NB_LINEAR
@@ -538,4 +571,302 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
         }
         out[n] = best;
     }
+}
+
+/* ---- Weight-only quantized linears: y[M, N] = x[M, K] @ dequant(W)^T (+ bias) ----------
+ *
+ * The weights stay quantized in memory and are dequantized in registers (ops/quant.py
+ * holds the torch reference of both formats and of these products):
+ *
+ * int8: W ~ q[n, k] * scale[n]; q int8 [N, Kp] (rows zero-padded to Kp, a multiple of
+ *   32), scale float32 [N].
+ * int4: W ~ q[n, k] * s[n, g] + z[n, g] for the group g = k / G of G consecutive inputs;
+ *   q in 0..15, two per byte: byte b of a group's G/2 holds element b in its low nibble
+ *   and element G/2 + b in its high nibble, so G/2 bytes give G consecutive values with
+ *   no shuffle. Rows [Kp / 2] bytes (Kp: K rounded up to G); (s, z) float16 pairs
+ *   [N, Kp / G, 2].
+ *
+ * Rows of x (int8 always; int4 below NB_Q_TILE_ROWS rows): each row of x is scaled to int16 (per row:
+ * xq = round(x * 32767 / max|x|), an error of at most 1/65534 of the row's largest
+ * value: far below bfloat16's own rounding of x, whose 8 significant bits it keeps
+ * exactly) once per call, and the products are integer dot products (AVX-512 VNNI
+ * vpdpwssd: 32 int16 products summed into 16 int32 lanes by one instruction), exact,
+ * then scaled in float32. Per 32 weights that is one widening load and one vpdpwssd
+ * (int4: two, plus the nibble split), few enough that one core streams weights at
+ * memory speed. int8: y = sx * scale[n] * sum_k q xq (int32 lanes flushed to float32
+ * every 2048 inputs, before they could overflow). int4: y = sx * sum_g (s * sum_{k in g}
+ * q xq + z * sum_{k in g} xq). Each weight row is read once for all M rows; four output
+ * rows are done together. Each row's result depends on that row alone, whatever M is.
+ * (Measured on one thread, loaded machine: int8 this way is as fast as the bf16 kernel on
+ * its own weights up to 512 rows, so it has no other path.)
+ *
+ * int4, many rows (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
+ * features at a time to bfloat16 in the VNNI layout of nb_linear_bf16, into a buffer of
+ * 64 x K values, and runs the bf16 tile kernel on it for every row: the full bf16 weight
+ * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's)
+ * and x as it is.
+ */
+#define NB_Q_TILE_ROWS 128  /* int4 only */
+#define NB_Q8_FLUSH 64  /* 32-input steps between int32 -> float32 flushes (int8) */
+
+static inline float nb_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+/* The rows of x as int16 with their scales (and, for int4, per-group sums). */
+typedef struct {
+    int16_t *xq;    /* [M, Kp], zero-padded, 64-byte aligned */
+    float *sx;      /* [M]: x ~ xq * sx */
+    /* int4: [M, ng2] with the sum of xq over group g at 2 g + 1 and zeros elsewhere (ng2:
+     * 2 Kp / G rounded up to 16), to meet the (scale, zero) pairs as loaded. */
+    float *xsum;
+    int64_t ng2;
+} nb_qx;
+
+static nb_qx nb_q_inputs(int bits, const uint16_t *x, int64_t M, int64_t K, int64_t Kp,
+                         int64_t G) {
+    nb_qx in;
+    in.xq = (int16_t *)aligned_alloc(64, (size_t)((M * Kp * 2 + 63) / 64 * 64));
+    in.sx = (float *)malloc(sizeof(float) * (size_t)M);
+    in.xsum = 0;
+    in.ng2 = 0;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * K;
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16)
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(nb_load16(xr + k, nb_mask(K - k))));
+        const float amax = _mm512_reduce_max_ps(mx);
+        /* As ops/quant.py: inv = 32767 / amax and sx = amax / 32767, both float32. */
+        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        in.sx[m] = amax / 32767.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        int16_t *q = in.xq + m * Kp;
+        for (int64_t k = 0; k < Kp; k += 16) {
+            __m256i v = _mm256_setzero_si256();
+            if (k < K) {  /* round to nearest even, as torch.round */
+                const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(nb_load16(xr + k, nb_mask(K - k)), vinv));
+                v = _mm512_cvtsepi32_epi16(r);
+            }
+            _mm256_store_si256((__m256i *)(q + k), v);
+        }
+    }
+    if (bits == 4) {
+        const int64_t ng = Kp / G, ng2 = (2 * ng + 15) / 16 * 16;
+        in.ng2 = ng2;
+        in.xsum = (float *)aligned_alloc(64, (size_t)(M * ng2 * 4));
+        memset(in.xsum, 0, (size_t)(M * ng2 * 4));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < ng; g++) {
+                int32_t s = 0;
+                for (int64_t c = 0; c < G; c++) s += in.xq[m * Kp + g * G + c];
+                in.xsum[m * ng2 + 2 * g + 1] = (float)s;  /* exact: |s| < 2^24 */
+            }
+    }
+    return in;
+}
+
+static void nb_q_inputs_free(nb_qx *in) {
+    free(in->xq);
+    free(in->sx);
+    free(in->xsum);
+}
+
+static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias, int64_t n,
+                             int out_f32) {
+    if (bias) v += nb_bf16_to_f32(bias[n]);
+    if (out_f32) ((float *)y)[off] = v;
+    else ((uint16_t *)y)[off] = nb_f32_to_bf16(v);
+}
+
+/* int8, output rows [n0, n0 + 4) (fewer at the end: n1), every input row. */
+static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
+                       const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
+                       int out_f32, int64_t n0, int64_t n1) {
+    const int8_t *wr[4];
+    for (int i = 0; i < 4; i++) wr[i] = w + (n0 + i < n1 ? n0 + i : n1 - 1) * Kp;
+    for (int64_t m = 0; m < M; m++) {
+        const int16_t *xr = in->xq + m * Kp;
+        __m512 accf[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                          _mm512_setzero_ps()};
+        for (int64_t k0 = 0; k0 < Kp; k0 += 32 * NB_Q8_FLUSH) {
+            const int64_t k1 = k0 + 32 * NB_Q8_FLUSH < Kp ? k0 + 32 * NB_Q8_FLUSH : Kp;
+            __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
+                              _mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int64_t k = k0; k < k1; k += 32) {
+                const __m512i xv = _mm512_load_si512(xr + k);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[i] + k)));
+                    acc[i] = _mm512_dpwssd_epi32(acc[i], q, xv);
+                }
+            }
+            for (int i = 0; i < 4; i++) accf[i] = _mm512_add_ps(accf[i], _mm512_cvtepi32_ps(acc[i]));
+        }
+        for (int i = 0; i < 4 && n0 + i < n1; i++)
+            nb_store1(y, m * N + n0 + i, _mm512_reduce_add_ps(accf[i]) * (scales[n0 + i] * in->sx[m]),
+                      bias, n0 + i, out_f32);
+    }
+}
+
+/* The integer dot product of one int4 group (G/2 bytes) with xq (G values). */
+static inline __m512i nb_q4_group_dot(const uint8_t *wg, const int16_t *xg, int64_t half) {
+    __m512i ga = _mm512_setzero_si512();
+    if (half % 32 == 0) {
+        const __m512i low4 = _mm512_set1_epi16(15);
+        for (int64_t c = 0; c < half; c += 32) {
+            const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + c)));
+            ga = _mm512_dpwssd_epi32(ga, _mm512_and_si512(b, low4), _mm512_load_si512(xg + c));
+            ga = _mm512_dpwssd_epi32(ga, _mm512_srli_epi16(b, 4), _mm512_load_si512(xg + half + c));
+        }
+    } else {  /* half == 16 (G = 32): one 256-bit step */
+        const __m256i low4 = _mm256_set1_epi16(15);
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wg));
+        __m256i g = _mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_and_si256(b, low4),
+                                        _mm256_load_si256((const __m256i *)xg));
+        g = _mm256_dpwssd_epi32(g, _mm256_srli_epi16(b, 4), _mm256_load_si256((const __m256i *)(xg + 16)));
+        ga = _mm512_zextsi256_si512(g);
+    }
+    return ga;
+}
+
+/* int4, output rows [n0, n0 + 4) (fewer at the end: n1), every input row. */
+static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
+                       const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
+                       int64_t G, int out_f32, int64_t n0, int64_t n1) {
+    const int64_t ng = Kp / G, half = G / 2, rowb = Kp / 2;
+    int64_t rows[4];
+    for (int i = 0; i < 4; i++) rows[i] = n0 + i < n1 ? n0 + i : n1 - 1;
+    for (int64_t m = 0; m < M; m++) {
+        const int16_t *xr = in->xq + m * Kp;
+        const float *xsr = in->xsum + m * in->ng2;
+        __m512 acc[4], zacc[4];
+        for (int i = 0; i < 4; i++) acc[i] = zacc[i] = _mm512_setzero_ps();
+        /* Eight groups at a time: their (scale, zero) pairs converted in one instruction,
+         * the zeros' term as one FMA with the interleaved group sums of x. */
+        for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+            const int64_t cnt = ng - g0 < 8 ? ng - g0 : 8;
+            const __mmask16 mk = (__mmask16)((1u << (2 * cnt)) - 1);
+            float sf[4][16] __attribute__((aligned(64)));
+            for (int i = 0; i < 4; i++) {
+                const __m512 pairs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, sz + (rows[i] * ng + g0) * 2));
+                zacc[i] = _mm512_fmadd_ps(pairs, _mm512_load_ps(xsr + 2 * g0), zacc[i]);
+                _mm512_store_ps(sf[i], pairs);
+            }
+            for (int64_t j = 0; j < cnt; j++) {
+                const int64_t g = g0 + j;
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const __m512i ga = nb_q4_group_dot(w + rows[i] * rowb + g * half, xr + g * G, half);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ga), _mm512_set1_ps(sf[i][2 * j]), acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < 4 && n0 + i < n1; i++)
+            nb_store1(y, m * N + n0 + i,
+                      (_mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(zacc[i])) * in->sx[m],
+                      bias, n0 + i, out_f32);
+    }
+}
+
+/* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout: each
+ * row is dequantized 16 values at a time into `row` (Kp values, float32 arithmetic as
+ * ops/quant.py's dequantize, rounded to bf16), then its (2p, 2p + 1) pairs are placed. */
+static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64_t N, int64_t K,
+                              int64_t Kp, int64_t G, int64_t t, uint16_t *buf, uint16_t *row) {
+    uint32_t *b32 = (uint32_t *)buf;
+    const uint32_t *r32 = (const uint32_t *)row;
+    for (int64_t j = 0; j < NB_TILE; j++) {
+        const int64_t n = t * NB_TILE + j;
+        if (n >= N) {
+            for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = 0;
+            continue;
+        }
+        if (bits == 8) {
+            const int8_t *wr = (const int8_t *)w + n * Kp;
+            const __m512 s = _mm512_set1_ps(((const float *)scales)[n]);
+            for (int64_t k = 0; k < Kp; k += 16) {
+                const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
+                _mm256_storeu_si256((__m256i *)(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(q, s)));
+            }
+        } else {
+            const uint8_t *wr = (const uint8_t *)w + n * (Kp / 2);
+            const uint16_t *p = (const uint16_t *)scales + n * (Kp / G) * 2;
+            const int64_t half = G / 2;
+            const __m512i low4 = _mm512_set1_epi32(15);
+            for (int64_t g = 0; g < Kp / G; g++) {
+                const __m512 s = _mm512_set1_ps(nb_f16_to_f32(p[2 * g]));
+                const __m512 z = _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1]));
+                for (int64_t c = 0; c < half; c += 16) {
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + g * half + c)));
+                    const __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), s), z);
+                    const __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s), z);
+                    _mm256_storeu_si256((__m256i *)(row + g * G + c), (__m256i)_mm512_cvtneps_pbh(lo));
+                    _mm256_storeu_si256((__m256i *)(row + g * G + half + c), (__m256i)_mm512_cvtneps_pbh(hi));
+                }
+            }
+        }
+        for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = r32[p];
+    }
+}
+
+/* Output rows 4 blk .. 4 blk + 3 (fewer at the end), every row of x. */
+static inline void nb_q_block(int bits, const nb_qx *in, const void *w, const void *scales,
+                              const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
+                              int64_t G, int out_f32, int64_t blk) {
+    const int64_t n0 = blk * 4, n1 = n0 + 4 < N ? n0 + 4 : N;
+    if (bits == 8)
+        nb_q8_rows(in, (const int8_t *)w, (const float *)scales, bias, y, M, N, Kp, out_f32, n0, n1);
+    else
+        nb_q4_rows(in, (const uint8_t *)w, (const uint16_t *)scales, bias, y, M, N, Kp, G,
+                   out_f32, n0, n1);
+}
+
+static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
+                        const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                        int64_t Kp, int64_t G, int out_f32, int nthreads) {
+    if (bits == 4 && M >= NB_Q_TILE_ROWS && K % 2 == 0) {
+        const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE, mtiles = (M + 3) / 4;
+#pragma omp parallel num_threads(nthreads)
+        {
+            uint16_t *buf = (uint16_t *)aligned_alloc(64, (size_t)(K * NB_TILE * 2));
+            uint16_t *row = (uint16_t *)aligned_alloc(64, (size_t)((Kp * 2 + 63) / 64 * 64));
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < ntiles; t++) {
+                nb_q_dequant_tile(bits, w, scales, N, K, Kp, G, t, buf, row);
+                for (int64_t mt = 0; mt < mtiles; mt++)
+                    nb_linear_tile(x, buf, bias, y, M, N, K, out_f32, t, mt);
+            }
+            free(buf);
+            free(row);
+        }
+        return;
+    }
+    nb_qx in = nb_q_inputs(bits, x, M, K, Kp, G);
+    const int64_t blocks = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++)
+        nb_q_block(bits, &in, w, scales, bias, y, M, N, Kp, G, out_f32, blk);
+    nb_q_inputs_free(&in);
+}
+
+/* This thread's share (of `nt`) of the output rows, for every row of x: inside a parallel
+ * region the caller runs (nb_decoder_decode, one or two rows). Each thread converts x on
+ * its own (a few KiB); the values are those of nb_linear_q's row path. */
+static void nb_linear_q_share(int bits, const uint16_t *x, const void *w, const void *scales,
+                              const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                              int64_t Kp, int64_t G, int out_f32, int tid, int nt) {
+    nb_qx in = nb_q_inputs(bits, x, M, K, Kp, G);
+    const int64_t blocks = (N + 3) / 4;
+    for (int64_t blk = blocks * tid / nt; blk < blocks * (tid + 1) / nt; blk++)
+        nb_q_block(bits, &in, w, scales, bias, y, M, N, Kp, G, out_f32, blk);
+    nb_q_inputs_free(&in);
+}
+
+void nb_linear_q8(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
+                  void *y, int64_t M, int64_t N, int64_t K, int64_t Kp, int out_f32, int nthreads) {
+    nb_linear_q(8, x, w, scales, bias, y, M, N, K, Kp, 0, out_f32, nthreads);
+}
+
+void nb_linear_q4(const uint16_t *x, const uint8_t *w, const uint16_t *scales_zeros,
+                  const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K, int64_t Kp,
+                  int64_t G, int out_f32, int nthreads) {
+    nb_linear_q(4, x, w, scales_zeros, bias, y, M, N, K, Kp, G, out_f32, nthreads);
 }

@@ -20,7 +20,7 @@ Only on use: nothing is compiled or loaded until a bfloat16 path asks for a kern
 float32 engine never builds the library (``loaded()`` serves optional uses, such as the
 sampler's argmax, without triggering a build).
 
-When not: the kernels need x86-64 with AVX-512 BF16. Without it, without a compiler, with
+When not: the kernels need x86-64 with AVX-512 BF16 and VNNI. Without it, without a compiler, with
 ``NBENGINE_NATIVE=0``, or if the build fails, ``kernels()`` returns ``None`` and callers
 keep their torch paths; ``unavailable_reason()`` says why. Every kernel has a plain-torch
 reference it is tested against (tests/ops/test_native.py).
@@ -43,10 +43,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 CFLAGS = (
     "-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
+    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c",
 )
 LIBS = ("-lm",)
 VNNI_TILE = 64  # output features per packed tile (NB_TILE in kernels.c)
@@ -64,6 +64,8 @@ _SIGNATURES: dict[str, list[type]] = {
                                  _I64, _F32, _INT, _I64],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
+    "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
+    "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
 }
 # Below this many rows (tokens) an elementwise kernel runs on the calling thread alone:
 # waking an OpenMP worker costs more than the work (tens of microseconds when idle
@@ -87,6 +89,8 @@ class NativeKernels:
         self._rotary = lib.nb_rotary_bf16
         self._cached_attention = lib.nb_cached_attention_bf16
         self._argmax = lib.nb_argmax_f32
+        self._linear_q8 = lib.nb_linear_q8
+        self._linear_q4 = lib.nb_linear_q4
         # Raw entry point of the whole-stack decode (model/decode_plan.py builds its arguments).
         self.decoder_decode = lib.nb_decoder_decode
 
@@ -112,6 +116,34 @@ class NativeKernels:
         self._linear(x.data_ptr(), w_packed.data_ptr(),
                      None if bias is None else bias.data_ptr(), y.data_ptr(),
                      m, out_features, k, int(out_dtype == torch.float32), num_threads)
+        return y
+
+    def linear_quantized(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                         in_features: int, group_size: int | None,
+                         bias: torch.Tensor | None = None,
+                         out_dtype: torch.dtype = torch.bfloat16,
+                         num_threads: int | None = None) -> torch.Tensor:
+        """``x [M, K] @ dequant(W).T (+ bias)`` for weights quantized by ops/quant.py.
+
+        int8 (``group_size`` None): ``qweight`` int8 ``[N, Kp]``, ``scales`` float32 ``[N]``.
+        int4: ``qweight`` uint8 ``[N, Kp / 2]``, ``scales`` float16 ``[N, Kp / G, 2]``
+        (scale, zero). ``x`` contiguous bfloat16 with ``K = in_features``; the result is
+        ``[M, N]`` in ``out_dtype`` (bfloat16 or float32).
+        """
+        m = x.shape[0]
+        n = qweight.shape[0]
+        kp = qweight.shape[1] if group_size is None else 2 * qweight.shape[1]
+        y = torch.empty(m, n, dtype=out_dtype)
+        if num_threads is None:
+            num_threads = 1 if m <= 2 else torch.get_num_threads()  # as linear()
+        b = None if bias is None else bias.data_ptr()
+        f32 = int(out_dtype == torch.float32)
+        if group_size is None:
+            self._linear_q8(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), b, y.data_ptr(),
+                            m, n, in_features, kp, f32, num_threads)
+        else:
+            self._linear_q4(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), b, y.data_ptr(),
+                            m, n, in_features, kp, group_size, f32, num_threads)
         return y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -30,10 +30,12 @@ pytestmark = [
 ]
 
 
-def _run(path: Path, plans: bool, threads: int) -> tuple[dict[str, list[tuple[int, float]]], bool]:
+def _run(path: Path, plans: bool, threads: int, quantization: str | None = None
+         ) -> tuple[dict[str, list[tuple[int, float]]], bool]:
     torch.set_num_threads(threads)
     core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", max_num_seqs=24,
-                                               max_num_batched_tokens=64, block_size=4))
+                                               max_num_batched_tokens=64, block_size=4,
+                                               quantization=quantization))
     model = core.runner.model
     model.decode_plans_enabled = plans
     rng = random.Random(0)
@@ -61,6 +63,21 @@ def test_decode_plan_matches_module_path(tmp_path: Path, arch: str, threads: int
                            weight_std=0.05)
     fused, used = _run(path, plans=True, threads=threads)
     modular, used_modular = _run(path, plans=False, threads=threads)
+    assert used and not used_modular, "the plan ran only where enabled"
+    assert len(fused) == 20 and sum(map(len, fused.values())) > 100
+    assert fused == modular
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quantized_decode_plan_matches_module_path(tmp_path: Path, quantization: str,
+                                                   threads: int) -> None:
+    # intermediate 96: down_proj's inputs end in a partial int4 group.
+    path = make_tiny_model(tmp_path / "m", "llama", hidden_size=128, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                           weight_std=0.05)
+    fused, used = _run(path, plans=True, threads=threads, quantization=quantization)
+    modular, used_modular = _run(path, plans=False, threads=threads, quantization=quantization)
     assert used and not used_modular, "the plan ran only where enabled"
     assert len(fused) == 20 and sum(map(len, fused.values())) > 100
     assert fused == modular

@@ -1,0 +1,234 @@
+"""Weight-only quantization: int8 per output channel, int4 in groups (docs/quantization.md).
+
+Formats (the native kernels in ops/kernels.c read exactly these tensors):
+
+``int8``: ``W[n, k] ~ q[n, k] * scale[n]``, symmetric, ``q`` int8 in -127..127 and
+``scale = max_k |W[n, k]| / 127`` (float32). Rows are zero-padded to a multiple of 32
+inputs.
+
+``int4`` (``int4-g32``): ``W[n, k] ~ q[n, k] * s[n, g] + z[n, g]`` for each group ``g`` of
+``G`` consecutive inputs (G = 64, or 32), asymmetric: ``z`` is the group's minimum and
+``s`` its range / 15, both float16, ``q`` in 0..15. Two values per byte: byte ``b`` of a
+group's ``G / 2`` bytes holds element ``b`` in its low nibble and element ``G / 2 + b``
+in its high nibble (the kernel unpacks 32 consecutive values from 16 bytes without a
+shuffle). Rows are zero-padded to a multiple of ``G``.
+
+The torch functions here are the reference of the native kernels (tests/ops/test_quant.py
+checks one against the other) and the path taken where the kernels are unavailable.
+The reference product dequantizes a slice of output rows at a time, so it too never holds
+the whole weight dequantized.
+
+Products, as the kernels compute them (bfloat16 inputs):
+
+- int8, and int4 below ``TILE_ROWS`` rows: each row of ``x`` is scaled to int16
+  (``round(x * 32767 / max|x|)``; the error is at most 1/65534 of the row's largest
+  value, below bfloat16's own rounding of ``x``), and the dot products with the integer
+  weights are exact integer sums, scaled afterwards. This is what lets the kernel stream
+  weights at memory speed: one AVX-512 VNNI instruction per 32 products.
+- int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to bfloat16 one
+  tile at a time and multiplied as a bfloat16 model's weights are.
+
+float32 inputs (float32 models: the kernels are not used) are multiplied in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from nbengine.ops import native
+
+logger = logging.getLogger(__name__)
+
+# mode -> group size (None: int8 per output channel)
+QUANTIZATION_MODES: dict[str, int | None] = {"int8": None, "int4": 64, "int4-g32": 32}
+_INT8_ALIGN = 32
+_REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
+# From this many input rows on (and with an even K), the native int4 kernel multiplies by
+# the weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in ops/kernels.c); the
+# reference rounds them the same way there. int8 never does.
+TILE_ROWS = 128
+
+
+def bytes_per_weight(mode: str) -> float:
+    """Bytes one weight takes in ``mode`` (scales included; row padding not)."""
+    group = QUANTIZATION_MODES[mode]
+    if group is None:
+        return 1.0  # plus 4 bytes of scale per output row
+    return 0.5 + 4.0 / group  # two float16 (scale, zero) per group
+
+
+def _padded(k: int, multiple: int) -> int:
+    return -(-k // multiple) * multiple
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> ``(q int8 [N, Kp], scale float32 [N])`` (module docstring)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.zeros(n, _padded(k, _INT8_ALIGN), dtype=torch.int8)
+    q[:, :k] = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> ``(q uint8 [N, Kp / 2], (scale, zero) float16 [N, Kp / G, 2])``."""
+    if group_size % 32 or group_size <= 0:
+        raise ValueError(f"group_size must be a positive multiple of 32, got {group_size}.")
+    w = weight.detach().float()
+    n, k = w.shape
+    kp = _padded(k, group_size)
+    if kp != k:
+        w = torch.cat([w, torch.zeros(n, kp - k)], dim=1)
+    groups = w.view(n, kp // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    zero = lo.to(torch.float16)
+    scale = ((hi - zero.float()) / 15.0).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None])
+    q = q.clamp_(0, 15).to(torch.uint8)
+    half = group_size // 2
+    packed = (q[..., :half] | (q[..., half:] << 4)).reshape(n, kp // 2).contiguous()
+    return packed, torch.stack([scale, zero], dim=-1).contiguous()
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, in_features: int,
+               group_size: int | None) -> torch.Tensor:
+    """The float32 ``[N, in_features]`` weight that ``qweight`` and ``scales`` stand for."""
+    if group_size is None:
+        return qweight[:, :in_features].float() * scales[:, None]
+    n, half_row = qweight.shape
+    ng = 2 * half_row // group_size
+    b = qweight.view(n, ng, group_size // 2)
+    q = torch.cat([b & 15, b >> 4], dim=-1).float()
+    s, z = scales[..., 0].float(), scales[..., 1].float()
+    return (q * s[..., None] + z[..., None]).view(n, -1)[:, :in_features]
+
+
+def quantize_rows_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x [M, K]`` -> ``(xq, sx)``: ``x ~ xq * sx[:, None]``, ``xq`` integers in
+    -32767..32767 (as float32), ``sx = max|x| / 32767`` per row (float32, as the kernel)."""
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv[:, None]).clamp_(-32768, 32767), amax / 32767.0
+
+
+def linear_quantized_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                               in_features: int, group_size: int | None,
+                               bias: torch.Tensor | None = None,
+                               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [..., K] @ dequant(W).T (+ bias)`` in float32, rounded to ``out_dtype``.
+
+    ``out_dtype`` None: the dtype of ``x``. Dequantizes ``_REF_ROWS`` output rows at a time.
+    bfloat16 ``x`` is multiplied as the kernels do (module docstring): scaled to int16 with
+    exact sums (int8; int4 below ``TILE_ROWS`` rows), or by the weights rounded to
+    bfloat16 (int4 from ``TILE_ROWS`` rows on, even K).
+    """
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, in_features).float()
+    n = qweight.shape[0]
+    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+    bf16 = x.dtype == torch.bfloat16
+    tiled = (bf16 and group_size is not None and xf.shape[0] >= TILE_ROWS
+             and in_features % 2 == 0)
+    x_int16 = bf16 and not tiled
+    if x_int16:
+        xq, sx = quantize_rows_int16(xf)
+        xd = xq.double()
+    for start in range(0, n, _REF_ROWS):
+        stop = min(n, start + _REF_ROWS)
+        w = dequantize(qweight[start:stop], scales[start:stop], in_features, group_size)
+        if x_int16:
+            y[:, start:stop] = ((xd @ w.double().T) * sx.double()[:, None]).float()
+            continue
+        if tiled:
+            w = w.to(torch.bfloat16).float()
+        y[:, start:stop] = xf @ w.T
+    if bias is not None:
+        y += bias.float()
+    return y.to(out_dtype or x.dtype).view(*lead, n)
+
+
+def _native_enabled() -> bool:
+    return os.environ.get("NBENGINE_QUANT_NATIVE", "1") != "0"
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` held quantized (inference only; module docstring)."""
+
+    def __init__(self, linear: nn.Linear, mode: str) -> None:
+        super().__init__()
+        if mode not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {tuple(QUANTIZATION_MODES)}, got {mode!r}.")
+        self.mode = mode
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.group_size = QUANTIZATION_MODES[mode]
+        w = linear.weight.detach()
+        if self.group_size is None:
+            q, s = quantize_int8(w)
+        else:
+            q, s = quantize_int4(w, self.group_size)
+        self.register_buffer("qweight", q, persistent=False)
+        self.register_buffer("scales", s, persistent=False)
+        b = linear.bias
+        self.register_buffer("bias", None if b is None else b.detach().contiguous().clone(),
+                             persistent=False)
+        # The native kernels take bfloat16 inputs; float32 models use the torch reference.
+        self._kernels = (native.kernels() if w.dtype == torch.bfloat16 and _native_enabled()
+                         else None)
+        self._q, self._s, self._b = self.qweight, self.scales, self.bias
+
+    @property
+    def is_native(self) -> bool:
+        """True when products run in the native kernels (else in the torch reference)."""
+        return self._kernels is not None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the quantized weight and its scales."""
+        return self._q.numel() * self._q.element_size() + self._s.numel() * self._s.element_size()
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [..., in_features]`` -> ``[..., out_features]`` (``out_dtype`` None: x's)."""
+        kernels = self._kernels
+        if kernels is None or x.dtype != torch.bfloat16:
+            return linear_quantized_reference(x, self._q, self._s, self.in_features,
+                                              self.group_size, self._b, out_dtype)
+        out = out_dtype or torch.bfloat16
+        if x.dim() == 2 and x.is_contiguous():
+            return kernels.linear_quantized(x, self._q, self._s, self.in_features,
+                                            self.group_size, self._b, out)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = kernels.linear_quantized(x2, self._q, self._s, self.in_features, self.group_size,
+                                     self._b, out)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        path = "native" if self.is_native else "torch reference"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.mode}, {path}")
+
+
+def quantize_linears(model: nn.Module, mode: str) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``QuantLinear`` in ``mode``; returns how many.
+
+    Each layer's full-precision weight is released once its quantized copy exists (a tied
+    ``lm_head`` gets its own quantized copy; the embedding it shares stays as it is).
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {tuple(QUANTIZATION_MODES)}, got {mode!r}.")
+    targets = [(parent, name, child)
+               for parent in list(model.modules())
+               for name, child in list(parent.named_children())
+               if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, QuantLinear(child, mode))
+    logger.info("Quantized %d linear layers to %s.", len(targets), mode)
+    return len(targets)

@@ -1,0 +1,170 @@
+"""Weight-only quantization (ops/quant.py): the formats, and the native kernels against
+their torch reference.
+
+The reference (``linear_quantized_reference``) computes what the kernels compute (inputs
+scaled to int16 for few rows, weights rounded to bfloat16 for many), in float64 or
+float32; the kernels sum in another order, so float32 results are compared tightly and
+bfloat16 ones within a rounding step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nbengine.ops import native
+from nbengine.ops.quant import (
+    QUANTIZATION_MODES,
+    QuantLinear,
+    dequantize,
+    linear_quantized_reference,
+    quantize_int4,
+    quantize_int8,
+    quantize_linears,
+)
+
+BF16 = torch.bfloat16
+kernels = native.kernels()
+# Marks the native-kernel tests: required (a skip is reported loudly; tests/conftest.py).
+needs_native = pytest.mark.skipif(kernels is None,
+                                  reason=f"native kernels: {native.unavailable_reason()}")
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _quantize(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    group = QUANTIZATION_MODES[mode]
+    q, s = quantize_int8(w) if group is None else quantize_int4(w, group)
+    return q, s, group
+
+
+@pytest.mark.parametrize("k", [1, 16, 77, 256])
+def test_int8_round_trip_within_half_a_step(k: int) -> None:
+    w = _randn(9, k, seed=k)
+    w[3] = 0.0  # an all-zero row keeps a usable scale
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == (9, -(-k // 32) * 32) and s.shape == (9,)
+    assert not q[:, k:].any()
+    err = (dequantize(q, s, k, None) - w).abs()
+    assert bool((err <= s[:, None] / 2 + 1e-7).all())
+    assert not dequantize(q, s, k, None)[3].any()
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("k", [32, 64, 96, 100])
+def test_int4_round_trip_within_half_a_step(group: int, k: int) -> None:
+    w = _randn(5, k, seed=group + k)
+    q, sz = quantize_int4(w, group)
+    kp = -(-k // group) * group
+    assert q.dtype == torch.uint8 and q.shape == (5, kp // 2)
+    assert sz.dtype == torch.float16 and sz.shape == (5, kp // group, 2)
+    step = sz[..., 0].float().repeat_interleave(group, dim=1)[:, :k]
+    err = (dequantize(q, sz, k, group) - w).abs()
+    # Half a step, plus the float16 rounding of the group's zero (its minimum).
+    assert bool((err <= step / 2 + 1e-3 * w.abs().amax()).all())
+
+
+def test_int4_nibble_layout() -> None:
+    # Byte b of a group holds element b (low nibble) and element G/2 + b (high nibble).
+    w = torch.arange(64, dtype=torch.float32)[None, :] % 16  # values 0..15, step 1, min 0
+    q, sz = quantize_int4(w, 32)
+    assert sz[0, 0].tolist() == [1.0, 0.0]
+    b = q[0, :16].tolist()
+    assert [v & 15 for v in b] == list(range(16)) and [v >> 4 for v in b] == list(range(16))
+
+
+def test_bad_group_and_mode() -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_int4(torch.zeros(2, 64), 48)
+    with pytest.raises(ValueError, match="quantization"):
+        QuantLinear(nn.Linear(4, 4), "int3")
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_linears(nn.Sequential(nn.Linear(4, 4)), "fp8")
+
+
+def test_int16_rows_keep_bfloat16_inputs_almost_exactly() -> None:
+    from nbengine.ops.quant import quantize_rows_int16
+
+    x = _randn(3, 300, seed=7).to(BF16).float()
+    x[1] = 0.0
+    xq, sx = quantize_rows_int16(x)
+    assert float(xq.abs().max()) == 32767 and not xq[1].any() and float(sx[1]) == 0
+    err = (xq * sx[:, None] - x).abs().amax(dim=1)
+    assert bool((err <= x.abs().amax(dim=1) / 65534 * 1.001).all())
+
+
+def test_reference_matches_dequantized_f_linear() -> None:
+    w, x, b = _randn(70, 40, seed=1), _randn(3, 2, 40, seed=2), _randn(70, seed=3)
+    for mode in QUANTIZATION_MODES:
+        q, s, g = _quantize(w, mode)
+        got = linear_quantized_reference(x, q, s, 40, g, b)
+        want = nn.functional.linear(x, dequantize(q, s, 40, g), b)
+        assert got.shape == (3, 2, 70)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_model_uses_reference_and_stays_close_to_full_precision() -> None:
+    lin = nn.Linear(128, 48)
+    x = _randn(4, 128, seed=5)
+    for mode in QUANTIZATION_MODES:
+        ql = QuantLinear(lin, mode)
+        assert not ql.is_native  # native kernels take bfloat16 inputs only
+        with torch.no_grad():
+            got, want = ql(x), lin(x)
+        tol = 0.02 if mode == "int8" else 0.15
+        assert float((got - want).norm() / want.norm()) < tol, mode
+
+
+@pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 17, 127, 128, 130])
+# K = 4100: past the int8 kernel's int32 flush every 2048 inputs, with a tail.
+@pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (130, 96), (5, 77), (200, 576), (9, 4100)])
+@pytest.mark.required
+@needs_native
+def test_native_matches_reference(mode: str, m: int, n: int, k: int) -> None:
+    assert kernels is not None
+    w, x, b = _randn(n, k, seed=n + k).to(BF16), _randn(m, k, seed=m).to(BF16), _randn(n, seed=9).to(BF16)
+    if m == 3:
+        x[1] = 0.0  # a zero row (scale 0 in the int16 path)
+    q, s, g = _quantize(w, mode)
+    want = linear_quantized_reference(x, q, s, k, g, b, torch.float32)
+    got = kernels.linear_quantized(x, q, s, k, g, b, torch.float32)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    scale = float(want.abs().max())
+    # float32 sums in another order (the reference rounds the weights to bfloat16 where
+    # the kernel's many-row path does).
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+    got16 = kernels.linear_quantized(x, q, s, k, g, b, BF16)
+    assert got16.dtype == BF16
+    torch.testing.assert_close(got16.float(), want, rtol=2e-2, atol=2e-2 * scale)
+    # Splitting the rows over threads changes no value.
+    two = kernels.linear_quantized(x, q, s, k, g, b, torch.float32, num_threads=2)
+    assert torch.equal(two, got)
+
+
+@pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
+@pytest.mark.required
+@needs_native
+def test_quant_linear_native_forward(mode: str) -> None:
+    lin = nn.Linear(96, 50, bias=True).to(BF16)
+    ql = QuantLinear(lin, mode)
+    assert ql.is_native and "native" in repr(ql)
+    x = _randn(2, 3, 96, seed=4).to(BF16)  # leading dims are kept
+    got = ql(x)
+    assert got.shape == (2, 3, 50) and got.dtype == BF16
+    want = linear_quantized_reference(x, ql.qweight, ql.scales, 96, ql.group_size, ql.bias)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    logits = ql(x[0], out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+
+
+def test_quantize_linears_replaces_every_linear_and_shrinks_weights() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).to(BF16)
+    full = sum(p.numel() * 2 for p in model.parameters() if p.dim() == 2)
+    assert quantize_linears(model, "int4") == 2
+    assert all(isinstance(model[i], QuantLinear) for i in (0, 2))
+    quantized = sum(model[i].weight_bytes for i in (0, 2))
+    assert quantized < full / 3
