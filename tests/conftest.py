@@ -8,6 +8,8 @@ Fixtures (helpers without fixtures live in the ``support`` package, tests/suppor
   needs another shape overrides this fixture with the factory;
 - ``make_engine(model=None, **kw)``: an ``nb.Engine`` on ``tiny_model`` (or ``model``)
   that is shut down when the test ends, whatever happened;
+- ``no_leaked_requests``: after the test, the shared ``engine`` holds no live request
+  (suites with a module-scoped engine make it autouse);
 - ``one_torch_thread``: torch on one thread for the test (tiny ops are faster and steadier
   on one thread of a shared 2-core machine).
 
@@ -70,6 +72,16 @@ def make_engine(tiny_model: Path) -> Iterator[Callable[..., nb.Engine]]:
     finally:
         for eng in engines:
             eng.shutdown()
+
+
+@pytest.fixture
+def no_leaked_requests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After the test: the shared ``engine`` it used (if alive) holds no live request."""
+    yield
+    if "engine" in request.fixturenames:
+        eng: nb.Engine = request.getfixturevalue("engine")
+        if eng.is_alive:
+            assert eng.num_unfinished_requests() == 0
 
 
 @pytest.fixture

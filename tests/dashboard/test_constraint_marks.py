@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import nbengine as nb
-from dashboard_helpers import wait_until
+from support.requests import wait_until
 from nbengine import StructuredOutputsParams
 
 

@@ -22,10 +22,5 @@ def engine(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[nb.Engi
 
 
 @pytest.fixture(autouse=True)
-def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+def _no_leaks(no_leaked_requests: None) -> None:
     """Every test that used the shared engine leaves no live request behind."""
-    yield
-    if "engine" in request.fixturenames:
-        eng: nb.Engine = request.getfixturevalue("engine")
-        if eng.is_alive:
-            assert eng.num_unfinished_requests() == 0

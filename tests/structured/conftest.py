@@ -1,4 +1,5 @@
-"""Fixtures for the structured-outputs and sampling-field tests: one tiny float32 engine."""
+"""The structured-outputs and sampling-field suites' engine: one float32 engine per module
+on the shared tiny model (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,8 @@ from pathlib import Path
 import pytest
 
 import nbengine as nb
-from nbengine.testing import TINY_LLAMA, make_tiny_model
 
-ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-so") / "llama", arch="llama",
-                           **{**TINY_LLAMA, "max_position_embeddings": 4096})
+from support.models import ENGINE_KW
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +20,5 @@ def engine(tiny_model: Path) -> Iterator[nb.Engine]:
 
 
 @pytest.fixture(autouse=True)
-def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+def _no_leaks(no_leaked_requests: None) -> None:
     """Every test that used the shared engine leaves no live request behind."""
-    yield
-    if "engine" in request.fixturenames:
-        eng: nb.Engine = request.getfixturevalue("engine")
-        if eng.is_alive:
-            assert eng.num_unfinished_requests() == 0
