@@ -25,6 +25,7 @@ from __future__ import annotations
 import html
 import itertools
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -103,7 +104,7 @@ class ChatPanel(widgets.VBox):
         self.handle: RequestHandle | None = None  # the reply streaming now (or the last one)
         self._turns: list[dict[str, str]] = []
         self._reply: _Reply | None = None
-        self._traits = TraitWriter()  # writes a trait only when its value changed
+        self._trait_writer = TraitWriter()  # writes a trait only when its value changed
         self._updater = UIUpdater(name="nbengine-chat-ui", alive=lambda: engine.is_alive)
         self.lock = self._updater.lock
 
@@ -295,7 +296,7 @@ class ChatPanel(widgets.VBox):
                                  (self.regenerate_button, True)):
             self._set(button, "disabled", disabled)
         self._set(self.status, "value", "replying…")
-        self._updater.add(_ReplyView(self, handle, reply))
+        self._updater.add(_ReplyView(handle, reply, self._set, self._finish))
         return handle
 
     def _append_message(self, m: dict[str, str]) -> None:
@@ -312,7 +313,7 @@ class ChatPanel(widgets.VBox):
             self.history.children = (*self.history.children, widgets.HTML(_user_html(content)))
 
     def _set(self, w: widgets.Widget, name: str, value: Any) -> None:
-        self._traits.set(w, name, value)
+        self._trait_writer.set(w, name, value)
 
     def _finish(self, handle: RequestHandle, text: str, finish: str | None) -> None:
         """Updater thread, lock held: the reply ended; it joins the conversation."""
@@ -330,8 +331,12 @@ class ChatPanel(widgets.VBox):
 class _ReplyView:
     """Keeps one reply's text and stats up to date; refreshed by the panel's updater."""
 
-    def __init__(self, panel: ChatPanel, handle: RequestHandle, reply: _Reply) -> None:
-        self.panel = panel
+    def __init__(self, handle: RequestHandle, reply: _Reply,
+                 set_trait: Callable[[widgets.Widget, str, Any], None],
+                 finish: Callable[[RequestHandle, str, str | None], None]) -> None:
+        # The panel's own trait writer and end-of-reply step (it passes bound methods).
+        self.set_trait = set_trait
+        self.finish = finish
         self.handle = handle
         self.reply = reply
 
@@ -346,10 +351,9 @@ class _ReplyView:
             outputs = snap["outputs"]
             finish = outputs[0]["finish_reason"] if outputs else "error"
             finish = finish or "error"
-        p = self.panel
-        p._set(self.reply.text, "value", snap["text"])
-        p._set(self.reply.stats, "value", _stats_html(n, rate, finish))
+        self.set_trait(self.reply.text, "value", snap["text"])
+        self.set_trait(self.reply.stats, "value", _stats_html(n, rate, finish))
         if snap["finished"]:
-            p._finish(self.handle, snap["text"], finish)
+            self.finish(self.handle, snap["text"], finish)
             return True
         return False
