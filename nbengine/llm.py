@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from nbengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nbengine.frontend.engine import Engine
@@ -18,6 +18,11 @@ from nbengine.validation import is_int
 __all__ = ["LLM"]
 
 Prompt = str | Sequence[int] | dict[str, Any]  # dicts: {"prompt"|"prompt_token_ids": ...}
+
+
+def _put_index(q: queue.Queue[int], i: int) -> Callable[[RequestHandle], None]:
+    """A done callback that puts ``i`` on ``q``."""
+    return lambda _h: q.put(i)
 
 
 def _is_token_ids(x: object) -> bool:
@@ -57,7 +62,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         elif isinstance(prompts, Sequence):
-            prompt_list = list(prompts)
+            prompt_list = list(cast("Sequence[Prompt]", prompts))  # not token ids: prompts
         else:
             raise TypeError(
                 f"prompts must be a str, a list of token ids, or a list of either; got "
@@ -85,7 +90,7 @@ class LLM:
             # Validates every prompt first, so a bad one leaves no request behind.
             handles = self.engine.generate_many(prompt_list, final_params)
             for i, h in enumerate(handles):
-                h.add_done_callback(lambda _h, i=i: done_q.put(i))
+                h.add_done_callback(_put_index(done_q, i))
             return self._collect(handles, done_q, use_tqdm)
         except BaseException:
             unfinished = [h for h in handles if not h.done()]

@@ -269,7 +269,7 @@ class SamplingParams:
         Lists and dicts are copied too, so the copy shares nothing mutable with ``self``.
         """
         # Logits processors are kept by reference (a callable may hold a model or a lock).
-        values = {f.name: (list(getattr(self, f.name) or []) or None
+        values: dict[str, Any] = {f.name: (list(getattr(self, f.name) or []) or None
                            if f.name == "logits_processors" else copy.deepcopy(getattr(self, f.name)))
                   for f in dataclasses.fields(self) if f.init}
         values.update(changes)

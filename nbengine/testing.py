@@ -102,7 +102,7 @@ def _train_tokenizer(family: str) -> str:
         return text
 
 
-def _base_config(arch: str, vocab: int, ids: dict[str, int]) -> dict[str, Any]:
+def _base_config(arch: str, vocab: int, ids: dict[str, int | None]) -> dict[str, Any]:
     if arch == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"],
@@ -306,6 +306,8 @@ def make_tiny_model(
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     (path / "tokenizer.json").write_text(tok_json)
 
+    tok_cfg: dict[str, Any]
+    gen_cfg: dict[str, Any]
     if family == "llama":
         tok_cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                    "add_bos_token": True, "add_eos_token": False}

@@ -34,7 +34,7 @@ import plotly.graph_objects as go
 __all__ = ["LiveFigure"]
 
 
-class LiveFigure(go.FigureWidget):  # type: ignore[misc]
+class LiveFigure(go.FigureWidget):
     """A ``FigureWidget`` whose first message holds the whole figure (see the module
     docstring); call ``sync()`` after changing its data."""
 

@@ -84,7 +84,7 @@ _CSS = """
 """
 
 
-class StreamingText(anywidget.AnyWidget):  # type: ignore[misc]
+class StreamingText(anywidget.AnyWidget):
     """A read-only text box, 16em tall (about a dozen lines), that follows its tail
     while the reader stays at the bottom (see the module docstring). ``value`` is plain
     text."""

@@ -406,7 +406,7 @@ class RayCoreClient(CoreClient):
         """Stop every replica's loop, free its model, kill its actor; leave no actors."""
         with self._lock:
             if self._closed:
-                return
+                return None
             self._closed = True
         self._stopping = True
         ray = self._ray
@@ -434,3 +434,4 @@ class RayCoreClient(CoreClient):
                 ray.shutdown()
             except Exception:
                 logger.exception("ray.shutdown failed")
+        return None

@@ -295,7 +295,7 @@ class Engine:
 
     def generate_many(
         self,
-        prompts: Sequence[str | Sequence[int]],
+        prompts: Sequence[str | Sequence[int] | dict[str, Any]],
         sampling_params: Sequence[SamplingParams | None],
     ) -> list[RequestHandle]:
         """Start one request per prompt, with the params at the same index; return their

@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 
 from nbengine.frontend.waiter import make_async_waiter
@@ -465,7 +465,7 @@ class RequestHandle:
             return True
 
         await self._wait_async(ready)
-        return box[0]
+        return cast("RequestOutput | None", box[0])  # ready() took an output, not _NOTHING
 
     async def result_async(self) -> RequestOutput:
         """``await h``: wait for the final output on any asyncio or trio loop.

@@ -10,7 +10,7 @@ behind; a good one becomes a ``PreparedRequest`` that the loop thread registers.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         default_params: SamplingParams | None = None,
-        eos_token_ids: Sequence[int] = (),
+        eos_token_ids: Iterable[int] = (),
         max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer

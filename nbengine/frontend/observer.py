@@ -33,26 +33,33 @@ class EngineObserver(Protocol):
         self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
     ) -> None:
         """The incarnation ``key`` of ``request_id`` was registered (each n>1 child)."""
+        return None
 
     def on_constraint(self, key: str, request_id: str, constraint: str) -> None:
         """``key`` runs under a structured-output constraint (its short description)."""
+        return None
 
     def on_event(self, ev: LifecycleEvent) -> None:
         """A lifecycle transition of one incarnation."""
+        return None
 
     def on_scheduled(self, key: str, when: float) -> None:
         """``key`` went RUNNING; ``when`` is the core's first schedule time of its request."""
+        return None
 
     def on_tokens(
         self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None
     ) -> None:
         """``key`` has ``num_output_tokens`` output tokens in all (cumulative) as of ``now``."""
+        return None
 
     def on_step(self, stats: StepStats) -> None:
         """One engine step's statistics."""
+        return None
 
     def on_routed(self, key: str, replica: int) -> None:
         """A multi-replica backend placed ``key`` on engine core ``replica``."""
+        return None
 
 
 class ObserverList(EngineObserver):

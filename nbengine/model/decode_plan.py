@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,9 @@ from nbengine.ops.linear import NativeLinear
 from nbengine.ops.quant import QuantLinear
 
 if TYPE_CHECKING:
-    from nbengine.model.llama import LlamaForCausalLM
+    from collections.abc import Sequence
+
+    from nbengine.model.llama import DecoderLayer, LlamaForCausalLM
 
 _P = ctypes.c_void_p
 
@@ -103,24 +105,29 @@ class DecodePlan:
             self._tensors.append(t)
             return t.data_ptr()
 
-        first = model.layers[0].self_attn.qkv_proj
+        model_layers = _decoder_layers(model)
+        first = model_layers[0].self_attn.qkv_proj
         # Weight-only quantization (ops/quant.py): every linear in one format, or none.
         mode = first.mode if isinstance(first, QuantLinear) else None
 
         def weights(lin: nn.Module) -> tuple[int | None, int | None]:
+            lin = _native(lin)
             if isinstance(lin, QuantLinear):
                 return ptr(lin._q), ptr(lin._s)
             return ptr(lin._w), None
 
+        def bias(lin: nn.Module) -> int | None:
+            return ptr(_native(lin)._b)
+
         layers = (_Layer * a.num_layers)()
-        for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
+        for i, (layer, (kc, vc)) in enumerate(zip(model_layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             (qkv, qkv_s), (o, o_s) = weights(attn.qkv_proj), weights(attn.o_proj)
             (gu, gu_s), (down, down_s) = weights(mlp.gate_up_proj), weights(mlp.down_proj)
             layers[i] = _Layer(
                 ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
-                qkv, ptr(attn.qkv_proj._b), o, ptr(attn.o_proj._b),
-                gu, ptr(mlp.gate_up_proj._b), down, ptr(mlp.down_proj._b),
+                qkv, bias(attn.qkv_proj), o, bias(attn.o_proj),
+                gu, bias(mlp.gate_up_proj), down, bias(mlp.down_proj),
                 ptr(kc), ptr(vc), attn.window or 0, qkv_s, o_s, gu_s, down_s,
             )
         rot = model.rotary
@@ -128,7 +135,7 @@ class DecodePlan:
         # The head runs in the plan when it is a native linear without bias, in the
         # layers' format (else in Python).
         head_kind = QuantLinear if mode is not None else NativeLinear
-        self.has_lm_head = (isinstance(head, head_kind) and head._b is None
+        self.has_lm_head = (isinstance(head, head_kind) and _native(head)._b is None
                             and getattr(head, "mode", None) == mode
                             and getattr(head, "is_native", True)
                             and model.norm.weight.dtype == torch.bfloat16)
@@ -136,11 +143,11 @@ class DecodePlan:
         self._layers = layers  # referenced by the struct: keep alive
         self._decoder = _Decoder(
             a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
-            a.head_dim, kv_caches[0][0].shape[1], model.layers[0].input_layernorm.eps,
-            model.layers[0].self_attn.scale, ptr(rot.cos), ptr(rot.sin), layers,
+            a.head_dim, kv_caches[0][0].shape[1], model_layers[0].input_layernorm.eps,
+            model_layers[0].self_attn.scale, ptr(rot.cos), ptr(rot.sin), layers,
             ptr(model.norm.weight), head_w, a.vocab_size,
-            0 if mode is None else (8 if first.group_size is None else 4),
-            (first.group_size or 0) if mode is not None else 0, head_s)
+            0 if mode is None else (8 if cast(QuantLinear, first).group_size is None else 4),
+            (cast(QuantLinear, first).group_size or 0) if mode is not None else 0, head_s)
         self.hidden = a.hidden_size
         self.vocab = a.vocab_size
         self.threads = ThreadChooser()
@@ -179,6 +186,17 @@ class DecodePlan:
             self.threads.record(threads, time.perf_counter() - start)
 
 
+def _decoder_layers(model: LlamaForCausalLM) -> Sequence[DecoderLayer]:
+    """``model.layers``, typed: a model the plan runs has pre-norm ``DecoderLayer`` blocks
+    (``build_decode_plan`` returns None for post-norm ones)."""
+    return cast("Sequence[DecoderLayer]", model.layers)
+
+
+def _native(lin: nn.Module) -> NativeLinear | QuantLinear:
+    """A linear layer ``build_decode_plan`` checked to run natively, typed."""
+    return cast("NativeLinear | QuantLinear", lin)
+
+
 def cache_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
     return tuple(t.data_ptr() for pair in kv_caches for t in pair)
 
@@ -199,9 +217,9 @@ def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tenso
         return None
     if model.rotary.cos.dtype != torch.float32:
         return None
-    first = model.layers[0].self_attn.qkv_proj
+    first = _decoder_layers(model)[0].self_attn.qkv_proj
     mode = first.mode if isinstance(first, QuantLinear) else None
-    for layer, (kc, vc) in zip(model.layers, kv_caches):
+    for layer, (kc, vc) in zip(_decoder_layers(model), kv_caches):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)

@@ -20,7 +20,7 @@ For speed, q/k/v are held as one fused ``qkv_proj`` and gate/up as one ``gate_up
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -31,10 +31,14 @@ from nbengine.model.weights import WeightSource as W
 from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.ops.activation import silu_and_mul
 from nbengine.ops.attention import AttentionMetadata, paged_attention
-from nbengine.ops.linear import NativeLinear
+from nbengine.ops.linear import NativeLinear, PackedLinear
 from nbengine.ops.quant import QuantLinear
 from nbengine.ops.rms_norm import RMSNorm
 from nbengine.ops.rotary import RotaryEmbedding, with_original_length
+
+# A linear layer as built (nn.Linear) or as replaced after loading (pack_linears in
+# ops/linear.py, quantize_linears in ops/quant.py).
+AnyLinear: TypeAlias = "nn.Linear | PackedLinear | NativeLinear | QuantLinear"
 
 
 @dataclass(slots=True)
@@ -114,6 +118,10 @@ class DecoderArgs:
 
 
 class DecoderAttention(nn.Module):
+    # nn.Linear as built; packed (ops/linear.py) or quantized (ops/quant.py) after loading.
+    qkv_proj: AnyLinear
+    o_proj: AnyLinear
+
     def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding | None,
                  window: int | None = None) -> None:
         super().__init__()
@@ -168,6 +176,9 @@ class DecoderAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    gate_up_proj: AnyLinear  # as DecoderAttention's projections
+    down_proj: AnyLinear
+
     def __init__(self, a: DecoderArgs) -> None:
         super().__init__()
         self.inter = a.intermediate_size

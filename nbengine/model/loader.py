@@ -22,7 +22,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -54,6 +54,10 @@ _LLAMA_FAMILY = (
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*_LLAMA_FAMILY, *GEMMA_ARCHITECTURES, "GPT2LMHeadModel")
 
+# The model classes build_model makes: each an nn.Module and a CausalLM (model/protocol.py).
+ModelModule: TypeAlias = LlamaForCausalLM | GemmaForCausalLM | GPT2LMHeadModel
+_M = TypeVar("_M", bound=nn.Module)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,7 +65,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LoadedModel:
     """A model ready to run, with what the engine needs to know about it."""
 
-    model: nn.Module
+    model: ModelModule
     hf_config: dict[str, Any]
     dtype: torch.dtype
     max_model_len: int
@@ -169,7 +173,7 @@ def _max_model_len(cfg: dict[str, Any], arch: str, requested: int | None) -> int
     return requested if requested is not None else max_pos
 
 
-def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) -> nn.Module:
+def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) -> ModelModule:
     """Construct the (uninitialised) module for ``arch``."""
     try:
         if arch == "GPT2LMHeadModel":
@@ -202,7 +206,7 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
         raise ModelLoadError(f"Bad rope settings in {path / 'config.json'}: {exc}") from exc
 
 
-def _build_gemma(gargs: GemmaArgs, path: Path) -> nn.Module:
+def _build_gemma(gargs: GemmaArgs, path: Path) -> GemmaForCausalLM:
     if gargs.hidden_act not in GEMMA_ACTIVATIONS:
         raise ModelLoadError(f"Unsupported Gemma hidden_activation {gargs.hidden_act!r} "
                              f"(supported: {', '.join(GEMMA_ACTIVATIONS)}).")
@@ -222,7 +226,7 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
                    "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
 
 
-def _without_init(factory: Any) -> nn.Module:
+def _without_init(factory: Callable[[], _M]) -> _M:
     """Build a model on the CPU with uninitialised parameters.
 
     Every parameter is filled from the checkpoint afterwards, so random initialisation

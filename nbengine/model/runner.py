@@ -27,6 +27,7 @@ from nbengine.core.scheduler_output import (
 )
 from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.memory_plan import MemoryPlan, plan_memory
+from nbengine.model.protocol import CausalLM
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.ops.linear import pack_linears
 from nbengine.ops.attention import ChunkSpec, build_attention_metadata
@@ -58,11 +59,11 @@ class ModelRunner:
         loaded: LoadedModel = load_model(config.model, before_weights=plan)
         self.memory_plan: MemoryPlan = plans[0]
         self.loaded = loaded
-        self.model = loaded.model
-        if (self.model is not None and loaded.dtype == torch.bfloat16
+        self.model: CausalLM = loaded.model
+        if (loaded.model is not None and loaded.dtype == torch.bfloat16
                 and config.model.quantization is None):
             # Prepacked oneDNN weights: exact vs F.linear, 1.5-2x faster on CPU (ops/linear.py).
-            n_packed = pack_linears(self.model, config.scheduler.max_num_seqs)
+            n_packed = pack_linears(loaded.model, config.scheduler.max_num_seqs)
             logger.info("Packed %d bfloat16 linear layers for oneDNN.", n_packed)
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
@@ -85,6 +86,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
             for _ in range(m.num_layers)
         ]
+        assert config.model.seed is not None, "ModelConfig draws a seed when given none"
         self.sampler = Sampler(config.model.seed, config.model.logprobs_mode)
         logger.info(
             "Loaded %s from %s (%s, max_model_len=%d); KV cache: %d blocks of %d tokens (%.1f MiB).",

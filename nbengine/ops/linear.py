@@ -54,6 +54,9 @@ def packed_linear_supported(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (inference only)."""
 
+    packed_weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear, batch_size_hint: int | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -75,6 +78,11 @@ class PackedLinear(nn.Module):
 
 class NativeLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` packed for nbengine's native kernel (inference only)."""
+
+    packed_weight: torch.Tensor
+    bias: torch.Tensor | None
+    _w: torch.Tensor
+    _b: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, kernels: native.NativeKernels,
                  arena: WeightArena | None = None) -> None:

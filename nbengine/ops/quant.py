@@ -161,6 +161,13 @@ def _native_enabled() -> bool:
 class QuantLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held quantized (inference only; module docstring)."""
 
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+    _q: torch.Tensor
+    _s: torch.Tensor
+    _b: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear, mode: str) -> None:
         super().__init__()
         if mode not in QUANTIZATION_MODES:

@@ -160,14 +160,14 @@ def to_sampling_params(
     chat = isinstance(req, ChatCompletionRequest)
     max_tokens = req.max_tokens
     name = "max_tokens"
-    if chat and req.max_completion_tokens is not None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = max_tokens_limit if chat else min(16, max_tokens_limit)
     elif max_tokens > max_tokens_limit:
         raise ProtocolError(400, f"{name} must be at most {max_tokens_limit} on this server, "
                                  f"got {max_tokens}.", param=name)
-    if chat:
+    if isinstance(req, ChatCompletionRequest):  # that is, chat
         logprobs = req.top_logprobs or 0 if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise ProtocolError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
