@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ def bench_llguidance(tok_json: str, vocab: int, eos: int) -> dict[str, tuple[flo
         compile_s = time.perf_counter() - t0
         bm = lgt.allocate_token_bitmask(1, vocab)
 
-        def fill() -> torch.Tensor:
+        def fill(m: Any = m, bm: torch.Tensor = bm) -> torch.Tensor:
             lgt.fill_next_token_bitmask(m, bm, 0)
             return bm[0]
 
@@ -113,7 +114,7 @@ def bench_xgrammar(tok_json: str, vocab: int, eos: int) -> dict[str, tuple[float
         compile_s = time.perf_counter() - t0
         bm = xgr.allocate_token_bitmask(1, vocab)
 
-        def fill() -> torch.Tensor:
+        def fill(m: Any = m, bm: torch.Tensor = bm) -> torch.Tensor:
             m.fill_next_token_bitmask(bm, 0)
             return bm[0]
 

@@ -81,7 +81,7 @@ def _docs_of_module(mod: Any) -> list[str]:
     def add(obj: Any) -> None:
         try:
             doc = inspect.getdoc(obj)
-        except Exception:  # noqa: BLE001 - foreign objects may raise anything
+        except Exception:
             return
         if isinstance(doc, str):
             docs.append(doc)
@@ -89,7 +89,7 @@ def _docs_of_module(mod: Any) -> list[str]:
     add(mod)
     try:
         members = sorted(vars(mod).items())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return docs
     for name, obj in members:
         if name.startswith("_"):
@@ -122,7 +122,7 @@ def _stdlib_module_names() -> list[str]:
         spec = None
         try:
             spec = importlib.util.find_spec(top)
-        except Exception:  # noqa: BLE001
+        except Exception:
             continue
         if spec is None or not spec.submodule_search_locations:
             continue
@@ -149,7 +149,7 @@ def collect_corpus_in_this_process() -> list[str]:
     for name in walked:
         try:
             mod = importlib.import_module(name)
-        except BaseException:  # noqa: BLE001 - SystemExit/ImportError/anything
+        except BaseException:
             continue
         docs.extend(_docs_of_module(mod))
     seen: set[str] = set()

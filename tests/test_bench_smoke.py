@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nbengine.bench import BenchConfig, TARGETS, format_report, make_workloads, run_bench
+from nbengine.bench import TARGETS, BenchConfig, format_report, make_workloads, run_bench
 from nbengine.bench.report import median_run, spread_warnings
 from nbengine.cli import main
 from nbengine.testing import make_tiny_model

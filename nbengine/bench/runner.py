@@ -34,8 +34,8 @@ from nbengine.bench.machine import (
     workload_bound,
 )
 from nbengine.bench.report import median_run, spread_warnings, targets
-from nbengine.bench.workloads import bench_model_dir, make_workloads, scaled
 from nbengine.bench.worker import Job
+from nbengine.bench.workloads import bench_model_dir, make_workloads, scaled
 
 __all__ = ["run_bench"]
 

@@ -31,9 +31,9 @@ from nbengine.core.messages import (
     MessageType,
     StepStats,
 )
+from nbengine.core.request import Request
 from nbengine.core.scheduler import Scheduler
 from nbengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from nbengine.core.request import Request
 from nbengine.request import FinishReason, RequestStatus
 from nbengine.sampling_params import SamplingParams
 from nbengine.structured_outputs import GrammarCompiler

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from nbengine.config import EngineConfig
 from nbengine.core.kv_cache import KVCacheManager
 from nbengine.core.messages import EngineCoreOutput, StatusEvent
+from nbengine.core.request import Request
 from nbengine.core.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from nbengine.outputs import PositionLogprobs
-from nbengine.core.request import Request
 from nbengine.request import RequestStatus
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nbengine.outputs import PositionLogprobs
 from nbengine.core.request import Request
+from nbengine.outputs import PositionLogprobs
 
 
 @dataclass(slots=True)

@@ -70,7 +70,7 @@ function render({ model, el }) {
   return () => model.off("change:value", show);
 }
 export default { render };
-""" % {"slack": FOLLOW_SLACK_PX}
+""" % {"slack": FOLLOW_SLACK_PX}  # noqa: UP031 - the JS braces rule out str.format
 
 _CSS = """
 .nbengine-text-pre {

@@ -27,10 +27,10 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nbengine.core.client import CoreClient, EmitFn, ExitFn, FailKeysFn, RoutedFn
 from nbengine.core.messages import EngineCoreMessage, EngineCoreRequest, MessageType
 from nbengine.distributed.ray_actor import ReplicaWorker, WireMessage
 from nbengine.distributed.router import Router
-from nbengine.core.client import CoreClient, EmitFn, ExitFn, FailKeysFn, RoutedFn
 from nbengine.request import EngineDeadError
 from nbengine.validation import is_int
 

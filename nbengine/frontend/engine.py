@@ -31,9 +31,9 @@ from nbengine.config import EngineConfig
 from nbengine.core.client import CoreClient, make_core_client
 from nbengine.core.messages import EngineCoreMessage, EngineCoreOutputs
 from nbengine.frontend.handles import RequestHandle
-from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.input_processor import InputProcessor, PreparedRequest
 from nbengine.frontend.loop_bridge import LoopBridge, client_callbacks, reap_engine
+from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.registry import RequestRegistry
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError
@@ -41,14 +41,13 @@ from nbengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    from nbengine.dashboard.chat_panel import ChatPanel
-    from nbengine.server import Server
     import plotly.graph_objects as go
 
     from nbengine.core.engine_core import EngineCore, RunnerLike
+    from nbengine.dashboard.chat_panel import ChatPanel
     from nbengine.dashboard.dashboard import Dashboard
     from nbengine.dashboard.monitor import EngineMonitor
+    from nbengine.server import Server
 
 __all__ = ["Engine"]
 

@@ -23,7 +23,6 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-
 from nbengine.frontend.waiter import make_async_waiter
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError, RequestStatus

@@ -138,7 +138,7 @@ class LoopBridge:
         """``wait_future`` for a coroutine on any asyncio or trio loop."""
         while not fut.done():
             wake, wait = make_async_waiter()
-            fut.add_done_callback(lambda _f: wake())
+            fut.add_done_callback(lambda _f, wake=wake: wake())
             await wait(0.25)
             if not fut.done():
                 self.check_health()

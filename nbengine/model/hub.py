@@ -24,7 +24,6 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any
 
 from nbengine.model.errors import ModelLoadError
 

@@ -25,7 +25,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from nbengine.model.decode_plan import DecodePlan, cache_key, build_decode_plan
+from nbengine.model.decode_plan import DecodePlan, build_decode_plan, cache_key
 from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
 from nbengine.model.windows import layer_windows, rope_layers

@@ -29,8 +29,8 @@ from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.memory_plan import MemoryPlan, plan_memory
 from nbengine.model.protocol import CausalLM
 from nbengine.model.tokenizer import Tokenizer
-from nbengine.ops.linear import pack_linears
 from nbengine.ops.attention import ChunkSpec, build_attention_metadata
+from nbengine.ops.linear import pack_linears
 from nbengine.ops.sampling import Sampler, topk_logprobs
 from nbengine.outputs import PositionLogprobs
 

@@ -28,11 +28,10 @@ from collections.abc import Sequence
 
 import torch
 
+from nbengine.core.request import Request
 from nbengine.ops import native
 from nbengine.ops.request_processors import apply_request_processors, needs_request_processing
-
 from nbengine.outputs import Logprob, PositionLogprobs
-from nbengine.core.request import Request
 from nbengine.sampling_params import SamplingParams
 from nbengine.structured_outputs import apply_bitmask, bitmask_words
 

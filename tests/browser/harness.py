@@ -138,7 +138,7 @@ def jupyter_lab(root: Path, base: Path) -> Iterator[LabServer]:
     token = secrets.token_hex(16)
     env = _isolated_env(base)
     log_path = base / "jupyter.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    log = open(log_path, "wb")
     cmd = [
         sys.executable, "-m", "jupyter", "lab",
         "--allow-root", "--no-browser",
@@ -243,7 +243,7 @@ class NotebookPage:
                     arg=i,
                     timeout=10_000,
                 )
-            except Exception as e:  # noqa: BLE001 - playwright detaches / timeouts; retry
+            except Exception as e:
                 last = e
                 continue
             self.page.keyboard.press("Shift+Enter")
@@ -260,7 +260,7 @@ class NotebookPage:
                     arg=i,
                     timeout=15_000,
                 )
-            except Exception as e:  # noqa: BLE001 - retry the gesture
+            except Exception as e:
                 last = e
                 continue
             return
@@ -392,7 +392,7 @@ def evidence_on_failure(page: NotebookPage, server: LabServer, name: str) -> Ite
     except BaseException:
         try:
             page.screenshot(name)
-        except Exception:  # noqa: BLE001 - best effort; the real error follows
+        except Exception:
             pass
         print(server.log_tail(), file=sys.stderr)
         raise

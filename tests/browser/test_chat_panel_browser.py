@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import CHROMIUM, CHROMIUM_ARGS, NotebookPage, jupyter_lab, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
@@ -56,7 +55,7 @@ def _reply(p: NotebookPage) -> dict:
     return dict(r)
 
 
-def _wait(p: NotebookPage, cond, what: str, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
+def _wait(p: NotebookPage, cond, what: str, timeout_s: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         r = p.page.evaluate(_REPLY_JS, 0)
@@ -104,7 +103,7 @@ def test_chat_panel_in_jupyterlab(tmp_path: Path) -> None:
         except BaseException:
             try:
                 p.screenshot("failure")
-            except Exception:  # noqa: BLE001 - best effort; the real error follows
+            except Exception:
                 pass
             print(server.log_tail(), file=sys.stderr)
             raise

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness import (
     CHROMIUM,
     CHROMIUM_ARGS,

@@ -39,7 +39,7 @@ def test_random_workload(seed: int) -> None:
     aborted: set[str] = set()
     c = Collected()
     pending = 14
-    for step in range(2000):
+    for _step in range(2000):
         if pending and rng.random() < 0.4:
             rid = f"r{pending}"
             prompt = rng.choice(prefixes) + [rng.randrange(900) for _ in range(rng.randint(1, 10))]

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 import nbengine as nb
-from support.requests import wait_until
 from nbengine.dashboard.chat_panel import ChatPanel
 from nbengine.request import RequestStatus
 from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA
+
+from support.requests import wait_until
 
 ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
 

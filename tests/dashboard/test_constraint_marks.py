@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import nbengine as nb
-from support.requests import wait_until
 from nbengine import StructuredOutputsParams
+
+from support.requests import wait_until
 
 
 def test_handle_widget_and_dashboard_mark_constrained_requests(engine: nb.Engine) -> None:

@@ -7,9 +7,10 @@ import re
 import plotly.graph_objects as go
 
 import nbengine as nb
-from support.requests import long_params, wait_until
 from nbengine.dashboard.dashboard import Dashboard
 from nbengine.request import RequestStatus
+
+from support.requests import long_params, wait_until
 
 
 def _rows(dash: Dashboard) -> dict[str, str]:
@@ -97,8 +98,9 @@ def test_kv_bar_adds_up_every_replicas_latest_step(fresh_engine: nb.Engine) -> N
 
 
 def test_replica_health_line_shows_the_core_and_its_death() -> None:
-    from nbengine.testing import make_tiny_model
     import tempfile
+
+    from nbengine.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(tmp, arch="llama")

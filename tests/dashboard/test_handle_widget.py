@@ -8,12 +8,13 @@ import ipywidgets as widgets
 import pytest
 
 import nbengine as nb
-from support.requests import long_params, wait_until
 from nbengine.dashboard import handle_widget
 from nbengine.dashboard.handle_widget import HandleWidget
 from nbengine.dashboard.stream_text import StreamingText
 from nbengine.frontend.observer import EngineObserver
 from nbengine.request import RequestStatus
+
+from support.requests import long_params, wait_until
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -62,7 +63,6 @@ def test_widget_streams_text_and_shows_the_final_state(engine: nb.Engine) -> Non
     assert w.cancel_button.disabled
     assert '<span class="nbengine-tokens">40</span>' in w.stats.value
     # The escaped text of the whole completion is shown.
-    import html
 
     assert final.outputs[0].text in w.text.value
 

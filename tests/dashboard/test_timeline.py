@@ -5,10 +5,11 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 import nbengine as nb
-from support.requests import long_params, wait_until
 from nbengine.dashboard.timeline import plot_timeline
 from nbengine.frontend.events import LifecycleEvent
 from nbengine.request import RequestStatus as S
+
+from support.requests import long_params, wait_until
 
 
 def _rec(rid: str, key: str, prev: S | None, to: S, t: float) -> LifecycleEvent:
@@ -52,7 +53,7 @@ def test_engine_plot_timeline_after_a_run(engine: nb.Engine) -> None:
     fig = engine.plot_timeline()
     names = [t.name for t in fig.data]
     ev = engine.events()
-    present = {s for s in ev["to_status"]}
+    present = set(ev["to_status"])
     assert set(names) == present
     assert names == [s.name for s in S if s.name in present]
     for name in ("RUNNING", "RELEASING", "FINISHED_ABORTED", "FINISHED_LENGTH_CAPPED"):

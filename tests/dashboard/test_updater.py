@@ -7,9 +7,10 @@ import threading
 import ipywidgets as widgets
 
 import nbengine as nb
-from support.requests import long_params, wait_until
 from nbengine.dashboard.updater import UIUpdater
 from nbengine.request import RequestStatus
+
+from support.requests import long_params, wait_until
 
 
 class CounterView:

@@ -25,7 +25,7 @@ from nbengine import RequestOutputKind as Kind  # noqa: E402
 from nbengine import RequestStatus as S  # noqa: E402
 
 from support.requests import WAIT_S, long_params, wait_first_token  # noqa: E402
-from support.scenarios import abort_and_readd_race
+from support.scenarios import abort_and_readd_race  # noqa: E402
 
 ENGINE_KW = dict(num_kv_blocks=512, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
 
@@ -310,7 +310,7 @@ def test_backend_arguments_are_checked(ray_cluster: Any, tiny_model: Path) -> No
 def test_unpicklable_utility_fails_alone_and_replica_keeps_order(engine: nb.Engine) -> None:
     lock = threading.Lock()
     fut = engine._client.run_utility(lambda core: lock, replica=0)  # type: ignore[attr-defined]
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever pickling raises, it fails alone
         fut.result(timeout=WAIT_S)
     # The replica's message sequence has no gap: later calls and requests still run.
     assert engine._client.run_utility(  # type: ignore[attr-defined]

@@ -53,7 +53,7 @@ def test_abort_is_idempotent_and_ignores_unknown(engine: nb.Engine) -> None:
 
 
 def test_abort_before_the_first_token(engine: nb.Engine) -> None:
-    for i in range(5):
+    for _i in range(5):
         h = engine.generate("Once upon", long_params(), request_id="early")
         final = engine.abort("early")
         assert final is not None and final.outputs[0].finish_reason == "abort"
@@ -137,7 +137,7 @@ def test_keyboard_interrupt_in_sync_iteration_cancels_and_confirms(engine: nb.En
     h = engine.generate("Hi", long_params(output_kind=Kind.DELTA), request_id="kbi")
     n = 0
     with pytest.raises(KeyboardInterrupt):
-        for out in h:
+        for _out in h:
             n += 1
             if n == 1:
                 _interrupt_soon()

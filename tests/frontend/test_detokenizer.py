@@ -6,12 +6,11 @@ import random
 from pathlib import Path
 
 import pytest
+from fe_util import byte_token_ids
 
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.sampling_params import SamplingParams
-
-from fe_util import byte_token_ids
 
 
 @pytest.fixture(scope="module")

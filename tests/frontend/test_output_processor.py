@@ -6,20 +6,19 @@ import time
 from pathlib import Path
 
 import pytest
+from fe_util import byte_token_ids
 
 import nbengine as nb
 from nbengine import RequestOutputKind as Kind
 from nbengine import RequestStatus as S
 from nbengine.core.messages import EngineCoreOutput, EngineCoreOutputs, StatusEvent
 from nbengine.frontend.detokenizer import IncrementalDetokenizer
-from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.handles import RequestHandle
+from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.output_processor import ChildState, LiveRequest, OutputProcessor
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.outputs import RequestMetrics
 from nbengine.request import FinishReason
-
-from fe_util import byte_token_ids
 
 
 class _EventRecorder(EngineObserver):

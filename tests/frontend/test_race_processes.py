@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 import race_worker
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from fe_util import byte_token_ids
 
 import nbengine as nb
 from nbengine import RequestOutputKind as Kind
 from nbengine.frontend.observer import EngineObserver
-
-from fe_util import byte_token_ids
 
 PROMPTS = ["Once upon a time", "The cat sat on", "Hello", "naïve café 🎉 — 日本"]
 
@@ -41,11 +40,11 @@ def test_only_last_output_is_finished(engine: nb.Engine, n: int) -> None:
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         final = outs[-1]
         assert final.request_id == outs[0].request_id
-        total = {i: 0 for i in range(n)}
+        total = dict.fromkeys(range(n), 0)
         for o in outs:
             for c in o.outputs:
                 total[c.index] = total[c.index] + len(c.token_ids) if kind is Kind.DELTA else len(c.token_ids)
-        assert total == {i: 6 for i in range(n)}
+        assert total == dict.fromkeys(range(n), 6)
 
 
 def test_n3_children_forwarded_by_index_and_result_has_all(engine: nb.Engine) -> None:
@@ -73,7 +72,7 @@ def test_multibyte_delta_equals_cumulative_equals_decode(engine: nb.Engine) -> N
     """Weights biased to emit UTF-8 lead and continuation bytes as separate tokens."""
     tok = engine.tokenizer
     split = byte_token_ids(tok, "€🎉é".encode())
-    bias = {t: 8.0 for t in split}
+    bias = dict.fromkeys(split, 8.0)
     for seed in range(4):
         results = {}
         for kind in (Kind.DELTA, Kind.CUMULATIVE):

@@ -50,7 +50,7 @@ def _run(python: str, *extra: str) -> int:
 def test_waiter_on_every_interpreter_found() -> None:
     pythons = {f"{sys.version_info[0]}.{sys.version_info[1]}": sys.executable, **_interpreters()}
     swallowed = {version: _run(python) for version, python in sorted(pythons.items())}
-    assert swallowed == {version: 0 for version in swallowed}
+    assert swallowed == dict.fromkeys(swallowed, 0)
 
 
 def test_harness_catches_the_wait_for_race() -> None:

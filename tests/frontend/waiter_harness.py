@@ -44,7 +44,7 @@ async def trials(make: Callable[[], tuple[Callable[[], None], Callable[[float], 
     for i in range(TRIALS):
         wake, wait = make()
 
-        async def consumer() -> str:
+        async def consumer(wait: Callable[[float], Awaitable[None]] = wait) -> str:
             await wait(5.0)
             return "woken"
 
@@ -61,7 +61,7 @@ async def trials(make: Callable[[], tuple[Callable[[], None], Callable[[float], 
             cancelled = task.cancel()
         elif mode == 2:
             delay = rng.random() * 0.0005
-            waker = threading.Thread(target=lambda: (time.sleep(delay), wake()))
+            waker = threading.Thread(target=lambda delay=delay, wake=wake: (time.sleep(delay), wake()))
             waker.start()
             await asyncio.sleep(rng.random() * 0.0005)
             cancelled = task.cancel()

@@ -7,10 +7,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from nbengine.core.request import Request
 from nbengine.core.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from nbengine.model.runner import ModelRunner
 from nbengine.outputs import PositionLogprobs
-from nbengine.core.request import Request
 from nbengine.sampling_params import SamplingParams
 
 _ids = itertools.count()

@@ -13,11 +13,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+import chat_templates as T
 import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
-import chat_templates as T
 from nbengine.frontend.chat import render_chat
 from nbengine.model import Tokenizer
 from nbengine.model.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError

@@ -18,8 +18,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from hub_server import HubRepo, repo_from_dir, serve_hub
+
 from nbengine.model.hub import is_hub_repo_id
 from nbengine.testing import TINY_LLAMA, make_hub_cache, make_tiny_model
 

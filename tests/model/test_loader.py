@@ -11,7 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nbengine.config import ModelConfig
-from nbengine.model import SUPPORTED_ARCHITECTURES, ModelLoadError, Tokenizer, load_model, resolve_model_dir
+from nbengine.model import (
+    SUPPORTED_ARCHITECTURES,
+    ModelLoadError,
+    Tokenizer,
+    load_model,
+    resolve_model_dir,
+)
 from nbengine.testing import ARCHS, make_tiny_model
 
 transformers = pytest.importorskip("transformers")

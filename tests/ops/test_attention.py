@@ -7,7 +7,12 @@ import random
 import pytest
 import torch
 
-from nbengine.ops.attention import ChunkSpec, build_attention_metadata, paged_attention, paged_attention_ref
+from nbengine.ops.attention import (
+    ChunkSpec,
+    build_attention_metadata,
+    paged_attention,
+    paged_attention_ref,
+)
 
 
 def _run_both(chunks_spec: list[tuple[int, int]], n_heads: int, n_kv: int, head_dim: int,

@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbengine.ops import native
+from nbengine.ops import attention, native
 from nbengine.ops.activation import silu_and_mul, silu_and_mul_ref
 from nbengine.ops.arena import WeightArena
-from nbengine.ops import attention
 from nbengine.ops.attention import (
     ChunkSpec,
     build_attention_metadata,

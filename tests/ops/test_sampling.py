@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from nbengine.ops.sampling import Sampler
 from nbengine.core.request import Request
+from nbengine.ops.sampling import Sampler
 from nbengine.sampling_params import SamplingParams
 
 V = 16

@@ -15,9 +15,8 @@ import pytest
 
 import nbengine as nb
 
-from support.threads import engine_threads
-
 from .sizes import ENGINE_KW, TINY
+from support.threads import engine_threads
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,9 @@ import pytest
 import nbengine as nb
 from nbengine.model.errors import ModelLoadError
 
+from .sizes import ENGINE_KW
 from support.engine_state import assert_quiescent
 from support.requests import WAIT_S
-
-from .sizes import ENGINE_KW
 
 SP = nb.SamplingParams
 
@@ -373,7 +372,7 @@ def test_params_are_frozen_and_generate_keeps_its_own_copy(engine: nb.Engine) ->
 def test_a_bad_request_reaching_the_core_fails_alone(engine: nb.Engine) -> None:
     """Even a request that bypasses generate()'s checks cannot kill the core: the core
     validates again and fails that one request as FINISHED_ERROR."""
-    from nbengine.core.messages import EngineCoreMessage, EngineCoreRequest, MessageType
+    from nbengine.core.messages import EngineCoreRequest
 
     bad = SP(max_tokens=4)
     object.__setattr__(bad, "logit_bias", {-1: 1.0})  # what a mutable params object allowed

@@ -21,10 +21,9 @@ import pytest
 import nbengine as nb
 from nbengine.request import RequestStatus
 
+from .sizes import ENGINE_KW
 from support.engine_state import assert_quiescent, call_with_timeout
 from support.requests import WAIT_S, long_params
-
-from .sizes import ENGINE_KW
 
 SP = nb.SamplingParams
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import nbengine as nb
-from support.requests import wait_until
 from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA
+
+from support.requests import wait_until
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")

@@ -134,7 +134,7 @@ def test_closing_a_stream_aborts_its_request_and_frees_the_id(
     else:
         stream = client.completions.create(prompt="Once upon a time", **kw)
     got = 0
-    for chunk in stream:
+    for _chunk in stream:
         got += 1
         if got == 4:
             break

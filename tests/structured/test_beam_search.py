@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ENGINE_KW
 
 import nbengine as nb
 from nbengine import BeamSearchParams
-
-from conftest import ENGINE_KW
 
 transformers = pytest.importorskip("transformers")
 

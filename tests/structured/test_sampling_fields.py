@@ -21,12 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ENGINE_KW
 
 import nbengine as nb
 from nbengine import SamplingParams
 from nbengine.testing import make_tiny_model
-
-from conftest import ENGINE_KW
 
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -109,7 +108,7 @@ def test_logprobs_mode(tiny_model: Path, mode: str) -> None:
     with nb.Engine(str(tiny_model), dtype="float32", logprobs_mode=mode, **ENGINE_KW) as eng:
         # allowed_token_ids is processing: processed_* see only those tokens.
         c = _gen(eng, "a", logprobs=3, allowed_token_ids=[3, 4], **GREEDY)
-        for tid, pos in zip(c.token_ids, c.logprobs):
+        for _tid, pos in zip(c.token_ids, c.logprobs):
             top = {t for t, lp in pos.items() if lp.rank <= 3}
             if mode.startswith("processed"):
                 finite = {t for t, lp in pos.items() if lp.logprob > -1e30}  # masked: ~ -inf
