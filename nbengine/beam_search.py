@@ -74,8 +74,9 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_ids: frozenset[int],
-                      length_penalty: float) -> float:
+def beam_search_score(
+    tokens: Sequence[int], cum_logprob: float, eos_token_ids: frozenset[int], length_penalty: float
+) -> float:
     """``cum_logprob / len ** length_penalty``; a final EOS is not counted in the length."""
     n = len(tokens)
     if n and tokens[-1] in eos_token_ids:
@@ -83,7 +84,9 @@ def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_ids: 
     return cum_logprob / (max(n, 1) ** length_penalty)
 
 
-def beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(
+    engine: Engine, prompts: Sequence[Any], params: BeamSearchParams
+) -> list[BeamSearchOutput]:
     """Run beam search for every prompt (text, token ids, or a prompt dict)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
@@ -92,11 +95,14 @@ def beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchParams
     width = params.beam_width
     max_lp = engine.config.model.max_logprobs
     if max_lp != -1 and 2 * width > max_lp:
-        raise ValueError(f"beam_width={width} needs {2 * width} logprobs per step, more than "
-                         f"the engine's max_logprobs={max_lp}.")
+        raise ValueError(
+            f"beam_width={width} needs {2 * width} logprobs per step, more than "
+            f"the engine's max_logprobs={max_lp}."
+        )
     eos = engine.eos_token_ids
-    step_params = SamplingParams(logprobs=2 * width, max_tokens=1,
-                                 temperature=params.temperature, detokenize=False)
+    step_params = SamplingParams(
+        logprobs=2 * width, max_tokens=1, temperature=params.temperature, detokenize=False
+    )
     # Validate and tokenize every prompt first: a bad one leaves nothing running.
     prompt_ids = [engine.encode_prompt(p, step_params) for p in prompts]
     beams = [[BeamSearchSequence(tokens=list(ids))] for ids in prompt_ids]
@@ -115,9 +121,11 @@ def beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchParams
             out = h.result().outputs[0]
             assert out.logprobs is not None
             for tok, lp in out.logprobs[0].items():
-                new = BeamSearchSequence(tokens=beam.tokens + [tok],
-                                         logprobs=beam.logprobs + [out.logprobs[0]],
-                                         cum_logprob=beam.cum_logprob + lp.logprob)
+                new = BeamSearchSequence(
+                    tokens=beam.tokens + [tok],
+                    logprobs=beam.logprobs + [out.logprobs[0]],
+                    cum_logprob=beam.cum_logprob + lp.logprob,
+                )
                 if tok in eos and not params.ignore_eos:
                     new.finish_reason, new.stop_reason = "stop", None
                     finished[i].append(new)
@@ -132,7 +140,7 @@ def beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchParams
             b.finish_reason = "length"
         best = sorted(finished[i] + beams[i], key=score, reverse=True)[:width]
         for b in best:
-            gen = b.tokens[len(ids):]
+            gen = b.tokens[len(ids) :]
             if b.finish_reason == "stop" and not params.include_stop_str_in_output:
                 gen = gen[:-1]
             b.text = tok.decode(b.tokens[: len(ids)] + gen, skip_special_tokens=True)

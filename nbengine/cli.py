@@ -70,7 +70,7 @@ def _status_lines(tracks: Sequence[_Track], width: int) -> list[str]:
         with t.lock:
             snippet = " ".join(t.text.split())
             head = f"{t.label:<11} {t.status:<22} {t.num_tokens:>4} tok  "
-            lines.append((head + snippet[-max(10, width - len(head)):])[:width])
+            lines.append((head + snippet[-max(10, width - len(head)) :])[:width])
     return lines
 
 
@@ -159,14 +159,22 @@ def run_demo(model: str | None = None, max_tokens: int = 48, out: TextIO = sys.s
     return 0
 
 
-def run_generate(prompt: str, model: str | None, max_tokens: int, temperature: float,
-                 seed: int | None, out: TextIO = sys.stdout) -> int:
+def run_generate(
+    prompt: str,
+    model: str | None,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    out: TextIO = sys.stdout,
+) -> int:
     """Stream one completion to ``out``."""
     import nbengine as nb
 
     with nb.Engine(model) as engine:
         params = nb.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
             output_kind=nb.RequestOutputKind.DELTA,
         )
         handle = engine.generate(prompt, params)  # validates first: nothing printed yet
@@ -283,69 +291,113 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _parser() -> argparse.ArgumentParser:
     fmt = _DefaultsFormatter
     common = _Parser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="show the full Python traceback of an error")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show the full Python traceback of an error",
+    )
     parser = _Parser(
-        prog="nbengine", description=DESCRIPTION,
+        prog="nbengine",
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full Python traceback of an error")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full Python traceback of an error"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_help = "Hugging Face model directory (default: the shipped default model)"
 
     demo = sub.add_parser(
-        "demo", parents=[common], formatter_class=fmt,
+        "demo",
+        parents=[common],
+        formatter_class=fmt,
         help="stream several prompts, cancel one, reuse its id",
         description="Stream several prompts at once from one engine, cancel one mid-stream "
-                    "(abort() returns once the core has freed it), reuse its id, and print "
-                    "a summary. CPU only, offline.",
+        "(abort() returns once the core has freed it), reuse its id, and print "
+        "a summary. CPU only, offline.",
     )
     demo.add_argument("--model", default=None, help=model_help)
-    demo.add_argument("--max-tokens", type=_positive_int, default=48,
-                      help="tokens to generate per prompt")
+    demo.add_argument(
+        "--max-tokens", type=_positive_int, default=48, help="tokens to generate per prompt"
+    )
 
     gen = sub.add_parser(
-        "generate", parents=[common], formatter_class=fmt,
+        "generate",
+        parents=[common],
+        formatter_class=fmt,
         help="stream one completion to stdout",
         description="Stream the completion of PROMPT to stdout as it is generated.",
     )
     gen.add_argument("prompt", help="the text to continue")
     gen.add_argument("--model", default=None, help=model_help)
-    gen.add_argument("--max-tokens", type=_positive_int, default=64,
-                     help="the most tokens to generate")
-    gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
-                     help="sampling temperature; 0 is greedy (always the likeliest token)")
-    gen.add_argument("--seed", type=int, default=None,
-                     help="random seed, for repeatable sampling when temperature > 0")
+    gen.add_argument(
+        "--max-tokens", type=_positive_int, default=64, help="the most tokens to generate"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (always the likeliest token)",
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed, for repeatable sampling when temperature > 0",
+    )
 
     bench = sub.add_parser(
-        "bench", parents=[common], formatter_class=fmt,
+        "bench",
+        parents=[common],
+        formatter_class=fmt,
         help="throughput/latency against transformers (see docs/benchmarks.md)",
         description="Run fixed workloads through nbengine and transformers, every run in a "
-                    "fresh process with the same environment, and compare them with this "
-                    "machine's memory-bandwidth bound (docs/benchmarks.md).",
+        "fresh process with the same environment, and compare them with this "
+        "machine's memory-bandwidth bound (docs/benchmarks.md).",
     )
-    bench.add_argument("--model", default=None,
-                       help="model directory (default: random weights in SmolLM2-135M's shape)")
+    bench.add_argument(
+        "--model",
+        default=None,
+        help="model directory (default: random weights in SmolLM2-135M's shape)",
+    )
     bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
-    bench.add_argument("--engines", default="nbengine,hf_static,hf_cb",
-                       help="comma-separated: nbengine,hf_static,hf_cb,ct2 (ct2: "
-                            "CTranslate2, needs pip install ctranslate2)")
-    bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                       help="weights and compute type")
-    bench.add_argument("--quantization", default=None, choices=("int8", "int4", "int4-g32"),
-                       help="nbengine's weights quantized (docs/quantization.md); the "
-                            "bandwidth bound counts the quantized bytes")
+    bench.add_argument(
+        "--engines",
+        default="nbengine,hf_static,hf_cb",
+        help="comma-separated: nbengine,hf_static,hf_cb,ct2 (ct2: "
+        "CTranslate2, needs pip install ctranslate2)",
+    )
+    bench.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="weights and compute type",
+    )
+    bench.add_argument(
+        "--quantization",
+        default=None,
+        choices=("int8", "int4", "int4-g32"),
+        help="nbengine's weights quantized (docs/quantization.md); the "
+        "bandwidth bound counts the quantized bytes",
+    )
     bench.add_argument("--scale", type=float, default=1.0, help="shrink workloads (e.g. 0.1)")
     bench.add_argument("--quick", action="store_true", help="same as --scale 0.1")
-    bench.add_argument("--repeats", type=_positive_int, default=1,
-                       help="runs of each engine on each workload")
-    bench.add_argument("--threads", type=_positive_int, default=None,
-                       help="torch threads for every engine (default: physical cores)")
-    bench.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE"),
-                       help="OMP_WAIT_POLICY of every engine's process (PASSIVE is what "
-                            "import nbengine sets)")
+    bench.add_argument(
+        "--repeats", type=_positive_int, default=1, help="runs of each engine on each workload"
+    )
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads for every engine (default: physical cores)",
+    )
+    bench.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        choices=("PASSIVE", "ACTIVE"),
+        help="OMP_WAIT_POLICY of every engine's process (PASSIVE is what import nbengine sets)",
+    )
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
 
@@ -354,25 +406,34 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_parser(sub, [common], fmt)
 
     tut = sub.add_parser(
-        "tutorials", parents=[common], formatter_class=fmt,
+        "tutorials",
+        parents=[common],
+        formatter_class=fmt,
         help="open the tutorial notebooks in JupyterLab (on a copy)",
         description="Copy the tutorial notebooks into DIR (once; your edits are kept) and "
-                    "start JupyterLab on the first one. The copies, not the tracked "
-                    "notebooks/, get your outputs. Other options go to jupyter lab "
-                    "(e.g. --no-browser --port 8890). Needs the notebook extra: "
-                    "pip install -e '.[notebook]' and nbengine install-kernel.",
+        "start JupyterLab on the first one. The copies, not the tracked "
+        "notebooks/, get your outputs. Other options go to jupyter lab "
+        "(e.g. --no-browser --port 8890). Needs the notebook extra: "
+        "pip install -e '.[notebook]' and nbengine install-kernel.",
     )
     tut.add_argument("--dir", default="tutorials", help="where the copies go")
-    tut.add_argument("--fresh", action="store_true",
-                     help="replace copies already in DIR with the shipped notebooks")
-    tut.add_argument("--no-lab", action="store_true",
-                     help="only copy, and print the command that starts JupyterLab")
+    tut.add_argument(
+        "--fresh",
+        action="store_true",
+        help="replace copies already in DIR with the shipped notebooks",
+    )
+    tut.add_argument(
+        "--no-lab",
+        action="store_true",
+        help="only copy, and print the command that starts JupyterLab",
+    )
 
     kern = sub.add_parser(
-        "install-kernel", parents=[common],
+        "install-kernel",
+        parents=[common],
         help="install the 'nbengine' Jupyter kernelspec",
         description="Install the 'nbengine' Jupyter kernel, which the tutorials in "
-                    "notebooks/ run under.",
+        "notebooks/ run under.",
     )
     where = kern.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="into the user's Jupyter data dir")
@@ -384,8 +445,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return run_demo(_model_dir(args.model), args.max_tokens)
     if args.command == "generate":
-        return run_generate(args.prompt, _model_dir(args.model), args.max_tokens,
-                            args.temperature, args.seed)
+        return run_generate(
+            args.prompt, _model_dir(args.model), args.max_tokens, args.temperature, args.seed
+        )
     if args.command == "bench":
         return run_bench_cli(args)
     if args.command == "serve":
@@ -397,8 +459,9 @@ def _run(args: argparse.Namespace) -> int:
 
         from nbengine.tutorials import open_tutorials
 
-        return open_tutorials(Path(args.dir), fresh=args.fresh, launch=not args.no_lab,
-                              lab_args=args.lab_args)
+        return open_tutorials(
+            Path(args.dir), fresh=args.fresh, launch=not args.no_lab, lab_args=args.lab_args
+        )
     if args.command == "install-kernel":
         from nbengine.kernelspec import install_kernel
 

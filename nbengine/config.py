@@ -14,8 +14,9 @@ _QUANTIZATION = ("int8", "int4", "int4-g32")  # ops/quant.py, docs/quantization.
 _POLICIES = ("fcfs", "priority")
 
 
-def _check_types(obj: object, ints: tuple[str, ...], bools: tuple[str, ...] = (),
-                 numbers: tuple[str, ...] = ()) -> None:
+def _check_types(
+    obj: object, ints: tuple[str, ...], bools: tuple[str, ...] = (), numbers: tuple[str, ...] = ()
+) -> None:
     """TypeError naming the field for a wrong type (None allowed where the default is None)."""
     for name in ints:
         value = getattr(obj, name)
@@ -68,11 +69,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_types(self, ints=("max_model_len", "max_logprobs"))
         if self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be -1 (no bound) or at least 0, got "
-                             f"{self.max_logprobs}.")
+            raise ValueError(
+                f"max_logprobs must be -1 (no bound) or at least 0, got {self.max_logprobs}."
+            )
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got "
-                             f"{self.logprobs_mode!r}.")
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}."
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -88,8 +91,9 @@ class ModelConfig:
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise TypeError(f"quantization must be a string or None, got {self.quantization!r}.")
         if self.quantization is not None and self.quantization not in _QUANTIZATION:
-            raise ValueError(f"quantization must be one of {_QUANTIZATION} or None, "
-                             f"got {self.quantization!r}.")
+            raise ValueError(
+                f"quantization must be one of {_QUANTIZATION} or None, got {self.quantization!r}."
+            )
 
 
 @dataclass(slots=True)
@@ -106,16 +110,18 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = 1.0
 
     def __post_init__(self) -> None:
-        _check_types(self, ints=("block_size", "num_kv_blocks"), bools=("enable_prefix_caching",),
-                     numbers=("kv_cache_memory_gb",) if self.kv_cache_memory_gb is not None else ())
+        _check_types(
+            self,
+            ints=("block_size", "num_kv_blocks"),
+            bools=("enable_prefix_caching",),
+            numbers=("kv_cache_memory_gb",) if self.kv_cache_memory_gb is not None else (),
+        )
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
-            raise ValueError(
-                f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}."
-            )
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}.")
 
 
 @dataclass(slots=True)
@@ -133,8 +139,11 @@ class SchedulerConfig:
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        _check_types(self, ints=("max_num_seqs", "max_num_batched_tokens", "stream_interval"),
-                     bools=("enable_chunked_prefill",))
+        _check_types(
+            self,
+            ints=("max_num_seqs", "max_num_batched_tokens", "stream_interval"),
+            bools=("enable_chunked_prefill",),
+        )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:

@@ -64,9 +64,11 @@ def install_kernel(user: bool = False, sys_prefix: bool = False, prefix: str | N
         (target / "kernel.json").write_text(json.dumps(kernel_spec(), indent=2) + "\n")
         if not user and prefix is None:
             sys_prefix = True
-        return str(KernelSpecManager().install_kernel_spec(
-            str(target),
-            kernel_name=KERNEL_NAME,
-            user=user,
-            prefix=sys.prefix if sys_prefix else prefix,
-        ))
+        return str(
+            KernelSpecManager().install_kernel_spec(
+                str(target),
+                kernel_name=KERNEL_NAME,
+                user=user,
+                prefix=sys.prefix if sys_prefix else prefix,
+            )
+        )

@@ -119,10 +119,15 @@ class LLM:
         from nbengine.frontend.chat import llm_chat
 
         return llm_chat(
-            self, messages, sampling_params, use_tqdm, chat_template=chat_template,
+            self,
+            messages,
+            sampling_params,
+            use_tqdm,
+            chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs, tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     def _collect(
@@ -130,8 +135,9 @@ class LLM:
     ) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(handles), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=len(handles), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
         start = time.monotonic()
         out_tokens = 0
         remaining = len(handles)

@@ -450,8 +450,15 @@ class MetricsLog:
                     value = value.name
                 data[c].append(value)
         df = pd.DataFrame(data, columns=list(REQUEST_COLUMNS))
-        for c in ("queue_time", "ttft", "itl_mean", "itl_p99", "e2e_time", "arrival_time",
-                  "finished_time"):
+        for c in (
+            "queue_time",
+            "ttft",
+            "itl_mean",
+            "itl_p99",
+            "e2e_time",
+            "arrival_time",
+            "finished_time",
+        ):
             df[c] = df[c].astype("float64")
         for c in ("prompt_tokens", "num_cached_tokens", "replica"):
             df[c] = df[c].astype("Int64")
@@ -486,8 +493,18 @@ class MetricsLog:
             )
             data["replica"].append(s.replica)
         df = pd.DataFrame(data, columns=list(STEP_COLUMNS))
-        int_cols = ("step", "batch_size", "prefill_tokens", "decode_tokens", "kv_blocks_used",
-                    "kv_blocks_total", "running", "waiting", "preemptions", "replica")
+        int_cols = (
+            "step",
+            "batch_size",
+            "prefill_tokens",
+            "decode_tokens",
+            "kv_blocks_used",
+            "kv_blocks_total",
+            "running",
+            "waiting",
+            "preemptions",
+            "replica",
+        )
         for c in int_cols:
             df[c] = df[c].astype("int64")
         for c in ("time", "elapsed", "kv_usage", "step_time", "prefix_cache_hit_rate"):

@@ -100,8 +100,7 @@ class SamplingParams:
     # The token sequences ``bad_words`` bans; filled in by the engine from its tokenizer.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # vLLM's older spelling of ``structured_outputs``; moved there by __post_init__.
-    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False,
-                                                            compare=False)
+    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False, compare=False)
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -180,23 +179,30 @@ class SamplingParams:
                     )
             self._set("logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise TypeError(
-                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
-            )
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         _check_int("stream_interval", self.stream_interval, minimum=1)
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
-                raise ValueError("Set structured_outputs or its older spelling guided_decoding, "
-                                 "not both.")
+                raise ValueError(
+                    "Set structured_outputs or its older spelling guided_decoding, not both."
+                )
             self._set("structured_outputs", self.guided_decoding)
             self._set("guided_decoding", None)
         if self.structured_outputs is not None and not isinstance(
-                self.structured_outputs, StructuredOutputsParams):
-            raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
-                            f"{type(self.structured_outputs).__name__}.")
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise TypeError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}."
+            )
         self._check_vllm_fields()
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "detokenize", "spaces_between_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "detokenize",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
 
@@ -223,7 +229,8 @@ class SamplingParams:
             self._set("bad_words_token_ids", seqs)
         if self.allowed_token_ids is not None:
             if isinstance(self.allowed_token_ids, (str, bytes)) or not isinstance(
-                    self.allowed_token_ids, Sequence):
+                self.allowed_token_ids, Sequence
+            ):
                 raise TypeError("allowed_token_ids must be a list of ints.")
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (no token could be chosen).")
@@ -233,8 +240,10 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
-                raise ValueError("truncate_prompt_tokens must be at least 1, or -1 (keep the last "
-                                 f"max_model_len tokens), got {self.truncate_prompt_tokens}.")
+                raise ValueError(
+                    "truncate_prompt_tokens must be at least 1, or -1 (keep the last "
+                    f"max_model_len tokens), got {self.truncate_prompt_tokens}."
+                )
         if not isinstance(self.detokenize, bool):
             raise TypeError(f"detokenize must be True or False, got {self.detokenize!r}.")
         if not self.detokenize and self.stop_strings:
@@ -269,9 +278,15 @@ class SamplingParams:
         Lists and dicts are copied too, so the copy shares nothing mutable with ``self``.
         """
         # Logits processors are kept by reference (a callable may hold a model or a lock).
-        values: dict[str, Any] = {f.name: (list(getattr(self, f.name) or []) or None
-                           if f.name == "logits_processors" else copy.deepcopy(getattr(self, f.name)))
-                  for f in dataclasses.fields(self) if f.init}
+        values: dict[str, Any] = {
+            f.name: (
+                list(getattr(self, f.name) or []) or None
+                if f.name == "logits_processors"
+                else copy.deepcopy(getattr(self, f.name))
+            )
+            for f in dataclasses.fields(self)
+            if f.init
+        }
         values.update(changes)
         return SamplingParams(**values)
 
@@ -283,8 +298,11 @@ class SamplingParams:
 def processor_arity(fn: LogitsProcessor) -> int:
     """2 for ``fn(output_ids, logits)``, 3 for ``fn(prompt_ids, output_ids, logits)``."""
     try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):  # a builtin without a signature: the classic form
         return 2
     return 3 if len(params) == 3 else 2
@@ -295,8 +313,9 @@ def _check_processor_arity(fn: LogitsProcessor) -> None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return
-    positional = [p for p in sig.parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     varargs = any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values())
     if not varargs and len(positional) not in (2, 3):
         raise TypeError(

@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
-INSTALL_HINT = (
-    "Structured outputs need the llguidance package: pip install 'nbengine[structured]'."
-)
+INSTALL_HINT = "Structured outputs need the llguidance package: pip install 'nbengine[structured]'."
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,8 +88,9 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise TypeError(f"structured_outputs.{name} must be a non-empty string, "
-                                f"got {value!r}.")
+                raise TypeError(
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r}."
+                )
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, Sequence):
                 raise TypeError("structured_outputs.choice must be a list of strings.")
@@ -104,8 +103,9 @@ class StructuredOutputsParams:
                     )
             object.__setattr__(self, "choice", list(self.choice))
         if self.json_object is not None and self.json_object is not True:
-            raise TypeError("structured_outputs.json_object must be True or None, got "
-                            f"{self.json_object!r}.")
+            raise TypeError(
+                f"structured_outputs.json_object must be True or None, got {self.json_object!r}."
+            )
         if not isinstance(self.disable_any_whitespace, bool):
             raise TypeError("structured_outputs.disable_any_whitespace must be True or False.")
 
@@ -172,8 +172,9 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         try:
             text = gbnf_to_lark(text)
         except Exception as exc:
-            raise ValueError(f"structured_outputs.grammar is not a valid GBNF grammar: {exc}") \
-                from None
+            raise ValueError(
+                f"structured_outputs.grammar is not a valid GBNF grammar: {exc}"
+            ) from None
     return matcher.grammar_from_lark(text)
 
 
@@ -218,8 +219,9 @@ class GrammarCompiler:
     ``vocab_size`` is the model's logit width (it may exceed the tokenizer's vocabulary).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = 256) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)

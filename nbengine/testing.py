@@ -169,7 +169,9 @@ def _base_config(arch: str, vocab: int, ids: dict[str, int | None]) -> dict[str,
     return cfg
 
 
-def _decoder_weights(cfg: dict[str, Any], gen: torch.Generator, std: float) -> dict[str, torch.Tensor]:
+def _decoder_weights(
+    cfg: dict[str, Any], gen: torch.Generator, std: float
+) -> dict[str, torch.Tensor]:
     h = cfg["hidden_size"]
     n_heads = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_heads
@@ -255,9 +257,7 @@ def _gpt2_weights(cfg: dict[str, Any], gen: torch.Generator, std: float) -> dict
     return w
 
 
-def make_tiny_model(
-    path: str | Path, arch: str = "llama", seed: int = 0, **config: Any
-) -> Path:
+def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **config: Any) -> Path:
     """Write a random-initialised tiny model of ``arch`` into ``path`` and return it.
 
     ``arch`` is one of ``"llama", "mistral", "qwen2", "qwen3", "gpt2"``. Keyword
@@ -309,19 +309,34 @@ def make_tiny_model(
     tok_cfg: dict[str, Any]
     gen_cfg: dict[str, Any]
     if family == "llama":
-        tok_cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                   "add_bos_token": True, "add_eos_token": False}
+        tok_cfg = {
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "add_bos_token": True,
+            "add_eos_token": False,
+        }
         gen_cfg = {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"]}
     elif family == "qwen":
         tok_cfg = {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
-        gen_cfg = {"bos_token_id": ids["<|endoftext|>"],
-                   "eos_token_id": [ids["<|endoftext|>"], ids["<|im_end|>"]]}
+        gen_cfg = {
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": [ids["<|endoftext|>"], ids["<|im_end|>"]],
+        }
     else:
-        tok_cfg = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-                   "unk_token": "<|endoftext|>"}
+        tok_cfg = {
+            "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>",
+            "unk_token": "<|endoftext|>",
+        }
         gen_cfg = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|endoftext|>"]}
-    tok_cfg.update({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30,
-                    "clean_up_tokenization_spaces": False})
+    tok_cfg.update(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": 1 << 30,
+            "clean_up_tokenization_spaces": False,
+        }
+    )
     if chat_template is not None:
         tok_cfg["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))

@@ -54,19 +54,30 @@ def lab_command(target: Path, lab_args: Sequence[str] = ()) -> list[str]:
     """The ``jupyter lab`` command that opens the first tutorial in ``target``."""
     # As root (a container, say) JupyterLab refuses to start without --allow-root.
     as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
-    return [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={target}",
-            *as_root, *lab_args, str(target / FIRST)]
+    return [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        f"--ServerApp.root_dir={target}",
+        *as_root,
+        *lab_args,
+        str(target / FIRST),
+    ]
 
 
-def open_tutorials(target: Path, fresh: bool = False, launch: bool = True,
-                   lab_args: Sequence[str] = ()) -> int:
+def open_tutorials(
+    target: Path, fresh: bool = False, launch: bool = True, lab_args: Sequence[str] = ()
+) -> int:
     """Copy the tutorials into ``target`` and start JupyterLab there (replaces this
     process); with ``launch`` false only copy and print the command."""
     target = target.expanduser().resolve()
     written = copy_tutorials(target, fresh=fresh)
     kept = len(list(target.glob("*.ipynb"))) - len(written)
-    print(f"Tutorials in {target}: {len(written)} copied"
-          + (f", {kept} kept as you left them (--fresh replaces them)" if kept else ""))
+    print(
+        f"Tutorials in {target}: {len(written)} copied"
+        + (f", {kept} kept as you left them (--fresh replaces them)" if kept else "")
+    )
     cmd = lab_command(target, lab_args)
     if not launch:
         print("Start JupyterLab with: " + " ".join(cmd))

@@ -21,8 +21,10 @@ def main(dtype: str) -> None:
             params = nb.SamplingParams(max_tokens=32, seed=1000 + i, ignore_eos=True)
             alone = engine.generate(prompt, params).result(120).outputs[0].token_ids
             others = [
-                engine.generate(PROMPTS[(i + j) % len(PROMPTS)] + " x" * j,
-                                nb.SamplingParams(max_tokens=40, seed=j, ignore_eos=True))
+                engine.generate(
+                    PROMPTS[(i + j) % len(PROMPTS)] + " x" * j,
+                    nb.SamplingParams(max_tokens=40, seed=j, ignore_eos=True),
+                )
                 for j in range(1, 12)
             ]
             batched = engine.generate(prompt, params).result(120).outputs[0].token_ids

@@ -29,19 +29,28 @@ from typing import Any
 PROMPT = "Once upon a time, in a small village at the edge of a great forest,"
 
 
-def _summary(starts: list[float], firsts: list[float], ends: list[float],
-             tokens: list[int]) -> dict[str, float]:
+def _summary(
+    starts: list[float], firsts: list[float], ends: list[float], tokens: list[int]
+) -> dict[str, float]:
     ttft = [f - s for s, f in zip(starts, firsts)]
     wall = max(ends) - min(starts)
-    return {"tok_s": sum(tokens) / wall, "ttft_mean": statistics.mean(ttft),
-            "ttft_p50": statistics.median(ttft), "tokens": float(sum(tokens))}
+    return {
+        "tok_s": sum(tokens) / wall,
+        "ttft_mean": statistics.mean(ttft),
+        "ttft_p50": statistics.median(ttft),
+        "tokens": float(sum(tokens)),
+    }
 
 
 async def _in_process(engine: Any, streams: int, max_tokens: int) -> dict[str, float]:
     import nbengine as nb
 
-    params = nb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                               output_kind=nb.RequestOutputKind.DELTA)
+    params = nb.SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=nb.RequestOutputKind.DELTA,
+    )
     starts, firsts, ends, tokens = [], [], [], []
 
     async def one() -> None:
@@ -64,8 +73,14 @@ async def _in_process(engine: Any, streams: int, max_tokens: int) -> dict[str, f
 async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
     import httpx
 
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     starts, firsts, ends, tokens = [], [], [], []
 
     async def one(client: Any) -> None:
@@ -90,31 +105,55 @@ async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
     limits = httpx.Limits(max_connections=streams + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         # Open the connections first (an application keeps them open): short requests.
-        await asyncio.gather(*(client.post(url + "/completions", json={
-            "prompt": PROMPT, "max_tokens": 1}) for _ in range(streams)))
+        await asyncio.gather(
+            *(
+                client.post(url + "/completions", json={"prompt": PROMPT, "max_tokens": 1})
+                for _ in range(streams)
+            )
+        )
         starts.clear(), firsts.clear(), ends.clear(), tokens.clear()
         await asyncio.gather(*(one(client) for _ in range(streams)))
     return _summary(starts, firsts, ends, tokens)
 
 
 def _server_round(url: str, streams: int, max_tokens: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--client", url, "--streams", str(streams),
-                          "--max-tokens", str(max_tokens)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--client",
+            url,
+            "--streams",
+            str(streams),
+            "--max-tokens",
+            str(max_tokens),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm",
-                    help="'smollm' (random weights in SmolLM2-135M's shape), 'default' (the "
-                         "shipped model), or a model directory")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default="smollm",
+        help="'smollm' (random weights in SmolLM2-135M's shape), 'default' (the "
+        "shipped model), or a model directory",
+    )
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--stream-interval", type=int, default=1,
-                    help="the server's stream_interval (tokens per chunk after the first)")
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the server's stream_interval (tokens per chunk after the first)",
+    )
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
@@ -133,8 +172,10 @@ def main() -> None:
     else:
         model = args.model
     counts = [int(s) for s in args.streams.split(",")]
-    with nb.Engine(model, max_num_seqs=max(counts)) as engine, engine.serve(
-            port=0, stream_interval=args.stream_interval) as server:
+    with (
+        nb.Engine(model, max_num_seqs=max(counts)) as engine,
+        engine.serve(port=0, stream_interval=args.stream_interval) as server,
+    ):
         asyncio.run(_in_process(engine, 2, 8))  # warm-up (native kernels, allocator)
         _server_round(server.url, 2, 8)
         rows = []
@@ -146,27 +187,37 @@ def main() -> None:
                 local[-1]["cpu_us_per_tok"] = (time.process_time() - c0) / local[-1]["tokens"] * 1e6
                 c0 = time.process_time()
                 remote.append(_server_round(server.url, streams, args.max_tokens))
-                remote[-1]["cpu_us_per_tok"] = (time.process_time() - c0) / remote[-1]["tokens"] * 1e6
-            med = {k: {m: statistics.median(r[m] for r in runs) for m in runs[0]}
-                   for k, runs in (("in-process", local), ("server", remote))}
+                remote[-1]["cpu_us_per_tok"] = (
+                    (time.process_time() - c0) / remote[-1]["tokens"] * 1e6
+                )
+            med = {
+                k: {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+                for k, runs in (("in-process", local), ("server", remote))
+            }
             rows.append((streams, med, local, remote))
-    print(f"model: {args.model}, max_tokens {args.max_tokens}, {args.rounds} rounds, "
-          f"stream_interval {args.stream_interval}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print("| streams | in-process tok/s | server tok/s | tok/s overhead | best of rounds | "
-          "in-process TTFT p50 | server TTFT p50 | engine-process CPU per token "
-          "(in-process / server) | rounds (tok/s in-process / server) |")
+    print(
+        f"model: {args.model}, max_tokens {args.max_tokens}, {args.rounds} rounds, "
+        f"stream_interval {args.stream_interval}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    print(
+        "| streams | in-process tok/s | server tok/s | tok/s overhead | best of rounds | "
+        "in-process TTFT p50 | server TTFT p50 | engine-process CPU per token "
+        "(in-process / server) | rounds (tok/s in-process / server) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for streams, med, local, remote in rows:
         a, b = med["in-process"], med["server"]
         spread = ", ".join(f"{x['tok_s']:.0f}/{y['tok_s']:.0f}" for x, y in zip(local, remote))
         best_a = max(x["tok_s"] for x in local)
         best_b = max(x["tok_s"] for x in remote)
-        print(f"| {streams} | {a['tok_s']:.0f} | {b['tok_s']:.0f} | "
-              f"{(1 - b['tok_s'] / a['tok_s']) * 100:+.1f}% | "
-              f"{best_a:.0f} / {best_b:.0f} ({(1 - best_b / best_a) * 100:+.1f}%) | "
-              f"{a['ttft_p50'] * 1000:.0f} ms | {b['ttft_p50'] * 1000:.0f} ms | "
-              f"{a['cpu_us_per_tok']:.0f} / {b['cpu_us_per_tok']:.0f} us | {spread} |")
+        print(
+            f"| {streams} | {a['tok_s']:.0f} | {b['tok_s']:.0f} | "
+            f"{(1 - b['tok_s'] / a['tok_s']) * 100:+.1f}% | "
+            f"{best_a:.0f} / {best_b:.0f} ({(1 - best_b / best_a) * 100:+.1f}%) | "
+            f"{a['ttft_p50'] * 1000:.0f} ms | {b['ttft_p50'] * 1000:.0f} ms | "
+            f"{a['cpu_us_per_tok']:.0f} / {b['cpu_us_per_tok']:.0f} us | {spread} |"
+        )
 
 
 if __name__ == "__main__":

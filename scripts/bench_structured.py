@@ -44,10 +44,13 @@ def _batch(engine: nb.Engine, n_plain: int, n_constrained: int, tokens: int, tag
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     shaped = SamplingParams(temperature=0, max_tokens=tokens, structured_outputs=spec)
     prompts = [f"Item list {i}:" for i in range(n_plain + n_constrained)]
-    handles = [engine.generate(p, plain, request_id=f"{tag}-p{i}")
-               for i, p in enumerate(prompts[:n_plain])]
-    handles += [engine.generate(p, shaped, request_id=f"{tag}-c{i}")
-                for i, p in enumerate(prompts[n_plain:])]
+    handles = [
+        engine.generate(p, plain, request_id=f"{tag}-p{i}") for i, p in enumerate(prompts[:n_plain])
+    ]
+    handles += [
+        engine.generate(p, shaped, request_id=f"{tag}-c{i}")
+        for i, p in enumerate(prompts[n_plain:])
+    ]
     for h in handles:
         h.result(timeout=600)
     return _itl(engine, [f"{tag}-p{i}" for i in range(n_plain)])
@@ -84,11 +87,15 @@ def main() -> None:
             plain.append(_batch(engine, 2 * n, 0, t, f"plain{r}"))
             mixed.append(_batch(engine, n, n, t, f"mixed{r}"))
         mask = _mask_cost(engine, n)
-        print(f"model vocab {engine._vocab_size}; batch {2 * n} requests x {t} tokens; "
-              f"{args.repeats} repeats; torch threads {torch.get_num_threads()}")
+        print(
+            f"model vocab {engine._vocab_size}; batch {2 * n} requests x {t} tokens; "
+            f"{args.repeats} repeats; torch threads {torch.get_num_threads()}"
+        )
         print(f"unconstrained ITL, plain batch : {statistics.median(plain) * 1e3:7.2f} ms")
-        print(f"unconstrained ITL, mixed batch : {statistics.median(mixed) * 1e3:7.2f} ms "
-              f"({n} constrained rows)")
+        print(
+            f"unconstrained ITL, mixed batch : {statistics.median(mixed) * 1e3:7.2f} ms "
+            f"({n} constrained rows)"
+        )
         print(f"mask fill + apply, {n} rows    : {mask * 1e3:7.2f} ms per step")
 
 

@@ -70,7 +70,8 @@ def bench_llguidance(tok_json: str, vocab: int, eos: int) -> dict[str, tuple[flo
         "json": llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA)),
         "regex": llguidance.LLMatcher.grammar_from_regex(REGEX),
         "choice": llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in CHOICE)),
+            "start: " + " | ".join(json.dumps(c) for c in CHOICE)
+        ),
     }
     out: dict[str, tuple[float, float]] = {"tokenizer": (tok_s, 0.0)}
     for name, grammar in specs.items():
@@ -97,8 +98,13 @@ def bench_xgrammar(tok_json: str, vocab: int, eos: int) -> dict[str, tuple[float
     t0 = time.perf_counter()
     encoded = [backend.id_to_token(i) for i in range(vocab)]
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(tok_json)
-    info = xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"], vocab_size=vocab,
-                             stop_token_ids=[eos], add_prefix_space=meta["add_prefix_space"])
+    info = xgr.TokenizerInfo(
+        encoded,
+        vocab_type=meta["vocab_type"],
+        vocab_size=vocab,
+        stop_token_ids=[eos],
+        add_prefix_space=meta["add_prefix_space"],
+    )
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     tok_s = time.perf_counter() - t0
     out: dict[str, tuple[float, float]] = {"tokenizer": (tok_s, 0.0)}
@@ -106,7 +112,8 @@ def bench_xgrammar(tok_json: str, vocab: int, eos: int) -> dict[str, tuple[float
         "json": lambda: compiler.compile_json_schema(json.dumps(SCHEMA)),
         "regex": lambda: compiler.compile_regex(REGEX),
         "choice": lambda: compiler.compile_grammar(
-            "root ::= " + " | ".join(json.dumps(c) for c in CHOICE)),
+            "root ::= " + " | ".join(json.dumps(c) for c in CHOICE)
+        ),
     }
     for name, make in makers.items():
         t0 = time.perf_counter()
@@ -118,8 +125,9 @@ def bench_xgrammar(tok_json: str, vocab: int, eos: int) -> dict[str, tuple[float
             m.fill_next_token_bitmask(bm, 0)
             return bm[0]
 
-        ts = _walk(fill, m.accept_token, lambda mk: _first_allowed(mk, vocab), m.is_terminated,
-                   STEPS)
+        ts = _walk(
+            fill, m.accept_token, lambda mk: _first_allowed(mk, vocab), m.is_terminated, STEPS
+        )
         out[name] = (compile_s, statistics.mean(ts))
     return out
 
@@ -140,9 +148,12 @@ def _large_tokenizer(vocab: int) -> str:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     print(f"training a {vocab}-token BPE on {len(files)} files of {site} ...", file=sys.stderr)
     tok.train(files, trainer)
     text = tok.to_str()

@@ -40,8 +40,9 @@ PROMPT_LEN = 255
 
 
 def _train_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_default_model",
-                                                  ROOT / "scripts" / "train_default_model.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_default_model", ROOT / "scripts" / "train_default_model.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -57,7 +58,8 @@ def held_out_rows(cache_dir: Path) -> tuple[list[list[int]], dict[str, int]]:
     info = json.loads((ROOT / "nbengine" / "default_model" / "TRAINING.json").read_text())
     seed, context = int(info["training"]["seed"]), int(info["model"]["context"])
     docs = train.collect_corpus(
-        cache_dir / f"corpus-py{sys.version_info.major}{sys.version_info.minor}.json")
+        cache_dir / f"corpus-py{sys.version_info.major}{sys.version_info.minor}.json"
+    )
     order = list(range(len(docs)))
     import random
 
@@ -68,22 +70,31 @@ def held_out_rows(cache_dir: Path) -> tuple[list[list[int]], dict[str, int]]:
     eot = tok.token_to_id(train.EOT)
     ids = [e.ids for e in tok.encode_batch(val_docs, add_special_tokens=False)]
     rows = train.pack(ids, eot, context)
-    stats = {"documents": len(docs), "val_documents": len(val_docs), "val_tokens": rows.numel(),
-             "expected_documents": info["corpus"]["documents"],
-             "expected_val_tokens": info["corpus"]["val_tokens"]}
+    stats = {
+        "documents": len(docs),
+        "val_documents": len(val_docs),
+        "val_tokens": rows.numel(),
+        "expected_documents": info["corpus"]["documents"],
+        "expected_val_tokens": info["corpus"]["val_tokens"],
+    }
     return rows.tolist(), stats
 
 
-def score(rows: list[list[int]], quantization: str | None, batched_tokens: int
-          ) -> dict[str, Any]:
+def score(rows: list[list[int]], quantization: str | None, batched_tokens: int) -> dict[str, Any]:
     """Per position: the true token's logprob and the most likely token, for one engine."""
     import nbengine as nb
 
     prompts = [r[:PROMPT_LEN] for r in rows]
     params = nb.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     start = time.perf_counter()
-    with nb.LLM(None, dtype="bfloat16", quantization=quantization, max_model_len=256,
-                max_num_batched_tokens=batched_tokens, seed=0) as llm:
+    with nb.LLM(
+        None,
+        dtype="bfloat16",
+        quantization=quantization,
+        max_model_len=256,
+        max_num_batched_tokens=batched_tokens,
+        seed=0,
+    ) as llm:
         shown = repr(llm.engine)
         outs = llm.generate(prompts, params, use_tqdm=False)
     nll: list[float] = []
@@ -105,36 +116,58 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=1000, help="positions for top-1 agreement")
     p.add_argument("--cache-dir", default="/work/train_out/cache")
     p.add_argument("--json", help="write the results here too")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="tokens per step: from 128, int4 scores partly through the kernels' "
-                        "prefill path; below 128 only through their decode path")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per step: from 128, int4 scores partly through the kernels' "
+        "prefill path; below 128 only through their decode path",
+    )
     args = p.parse_args()
 
     rows, stats = held_out_rows(Path(args.cache_dir))
     print(f"held-out split: {stats}")
     if stats["documents"] != stats["expected_documents"]:
-        print("WARNING: the corpus differs from the training run's (another Python?); "
-              "the split is not the held-out one.")
+        print(
+            "WARNING: the corpus differs from the training run's (another Python?); "
+            "the split is not the held-out one."
+        )
     chunk = args.max_num_batched_tokens
     base = score(rows, None, chunk)
     print(base["engine"])
     results: list[dict[str, Any]] = []
     base_ppl = math.exp(sum(base["nll"]) / len(base["nll"]))
-    results.append({"mode": "bfloat16", "perplexity": base_ppl, "ppl_change": 0.0,
-                    "top1_agreement": 1.0, "positions": len(base["nll"])})
+    results.append(
+        {
+            "mode": "bfloat16",
+            "perplexity": base_ppl,
+            "ppl_change": 0.0,
+            "top1_agreement": 1.0,
+            "positions": len(base["nll"]),
+        }
+    )
     n = min(args.positions, len(base["top1"]))
     for mode in args.modes:
         r = score(rows, mode, chunk)
         print(r["engine"])
         ppl = math.exp(sum(r["nll"]) / len(r["nll"]))
         agree = sum(a == b for a, b in zip(r["top1"][:n], base["top1"][:n])) / n
-        results.append({"mode": mode, "perplexity": ppl, "ppl_change": ppl / base_ppl - 1,
-                        "top1_agreement": agree, "positions": len(r["nll"])})
+        results.append(
+            {
+                "mode": mode,
+                "perplexity": ppl,
+                "ppl_change": ppl / base_ppl - 1,
+                "top1_agreement": agree,
+                "positions": len(r["nll"]),
+            }
+        )
     print(f"\n| weights | perplexity | vs bfloat16 | top-1 agreement ({n} positions) |")
     print("|---|---|---|---|")
     for r in results:
-        print(f"| {r['mode']} | {r['perplexity']:.3f} | {r['ppl_change']:+.2%} | "
-              f"{r['top1_agreement']:.1%} |")
+        print(
+            f"| {r['mode']} | {r['perplexity']:.3f} | {r['ppl_change']:+.2%} | "
+            f"{r['top1_agreement']:.1%} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"split": stats, "results": results}, indent=1))
 

@@ -41,10 +41,21 @@ def execute(path: Path) -> float:
     """Run ``path`` top to bottom in place; returns the wall time in seconds."""
     start = time.monotonic()
     subprocess.run(
-        [sys.executable, "-m", "jupyter", "nbconvert", "--execute", "--to", "notebook",
-         "--inplace", "--ExecutePreprocessor.kernel_name=nbengine",
-         "--ExecutePreprocessor.timeout=300", str(path)],
-        check=True, cwd=NOTEBOOKS,
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "nbconvert",
+            "--execute",
+            "--to",
+            "notebook",
+            "--inplace",
+            "--ExecutePreprocessor.kernel_name=nbengine",
+            "--ExecutePreprocessor.timeout=300",
+            str(path),
+        ],
+        check=True,
+        cwd=NOTEBOOKS,
     )
     return time.monotonic() - start
 
@@ -56,7 +67,9 @@ def clean(path: Path) -> None:
     """Drop widget state and views, execution metadata and the outputs of unchecked cells."""
     nb = nbformat.read(path, as_version=4)
     nb.metadata.pop("widgets", None)
-    nb.metadata["language_info"] = {"name": nb.metadata.get("language_info", {}).get("name", "python")}
+    nb.metadata["language_info"] = {
+        "name": nb.metadata.get("language_info", {}).get("name", "python")
+    }
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
         if cell.cell_type == "code" and _output_ignored(cell):

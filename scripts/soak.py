@@ -43,8 +43,14 @@ from typing import Any
 import nbengine as nb
 from nbengine.core.messages import EngineCoreMessage, MessageType
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 WAIT_S = 120.0
 
 
@@ -74,8 +80,7 @@ def _params(rng: random.Random) -> nb.SamplingParams:
     )
 
 
-def _finish_one(engine: nb.Engine, h: nb.RequestHandle, rng: random.Random,
-                totals: Totals) -> None:
+def _finish_one(engine: nb.Engine, h: nb.RequestHandle, rng: random.Random, totals: Totals) -> None:
     """End one in-flight request in a random way; returns once its id is free."""
     r = rng.random()
     if r < 0.45:
@@ -106,8 +111,15 @@ def _finish_one(engine: nb.Engine, h: nb.RequestHandle, rng: random.Random,
             totals.abort_latencies.append(time.monotonic() - t0)
 
 
-def _client(engine: nb.Engine, index: int, ids_per_client: int, budget: list[int],
-            deadline: float, seed: int, totals: Totals) -> None:
+def _client(
+    engine: nb.Engine,
+    index: int,
+    ids_per_client: int,
+    budget: list[int],
+    deadline: float,
+    seed: int,
+    totals: Totals,
+) -> None:
     rng = random.Random(seed * 1000 + index)
     free = [f"c{index}-{k}" for k in range(ids_per_client)]
     inflight: list[nb.RequestHandle] = []
@@ -150,8 +162,11 @@ def _core_state(engine: nb.Engine) -> dict[str, int]:
 
     def snap(core: Any) -> dict[str, int]:
         s = core.scheduler
-        return {"held": len(s.requests), "kv_used": s.kv.num_blocks - s.kv.num_free_blocks,
-                "kv_total": s.kv.num_blocks}
+        return {
+            "held": len(s.requests),
+            "kv_used": s.kv.num_blocks - s.kv.num_free_blocks,
+            "kv_total": s.kv.num_blocks,
+        }
 
     engine._core_queue.put(EngineCoreMessage(MessageType.UTILITY, snap, fut))
     return fut.result(WAIT_S)
@@ -165,27 +180,48 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
         q = [ms[0]] * 99
     else:
         q = statistics.quantiles(ms, n=100, method="inclusive")
-    return {"p50": round(q[49], 2), "p90": round(q[89], 2), "p99": round(q[98], 2),
-            "max": round(ms[-1], 2), "count": len(ms)}
+    return {
+        "p50": round(q[49], 2),
+        "p90": round(q[89], 2),
+        "p99": round(q[98], 2),
+        "max": round(ms[-1], 2),
+        "count": len(ms),
+    }
 
 
-def run(requests: int, threads: int, ids_per_client: int, time_limit: float, seed: int,
-        model: str | None, num_kv_blocks: int) -> dict[str, Any]:
+def run(
+    requests: int,
+    threads: int,
+    ids_per_client: int,
+    time_limit: float,
+    seed: int,
+    model: str | None,
+    num_kv_blocks: int,
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:
             from nbengine.testing import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny", arch="llama", **TINY))
         baseline = {t.ident for t in threading.enumerate()}
-        engine = nb.Engine(model, num_kv_blocks=num_kv_blocks, block_size=8, max_num_seqs=32,
-                           max_num_batched_tokens=256, seed=seed)
+        engine = nb.Engine(
+            model,
+            num_kv_blocks=num_kv_blocks,
+            block_size=8,
+            max_num_seqs=32,
+            max_num_batched_tokens=256,
+            seed=seed,
+        )
         totals = Totals()
         budget = [requests]
         start = time.monotonic()
         deadline = start + time_limit
         clients = [
-            threading.Thread(target=_client, name=f"soak-client-{i}",
-                             args=(engine, i, ids_per_client, budget, deadline, seed, totals))
+            threading.Thread(
+                target=_client,
+                name=f"soak-client-{i}",
+                args=(engine, i, ids_per_client, budget, deadline, seed, totals),
+            )
             for i in range(threads)
         ]
         for t in clients:
@@ -211,8 +247,9 @@ def run(requests: int, threads: int, ids_per_client: int, time_limit: float, see
                 reasons[str(c.finish_reason)] += 1
         duration = time.monotonic() - start
         time.sleep(0.05)
-        core = _core_state(engine) if engine.is_alive else {"held": -1, "kv_used": -1,
-                                                               "kv_total": -1}
+        core = (
+            _core_state(engine) if engine.is_alive else {"held": -1, "kv_used": -1, "kv_total": -1}
+        )
         registry_left = engine.num_unfinished_requests()
         engine.shutdown()
         time.sleep(0.2)
@@ -232,8 +269,13 @@ def run(requests: int, threads: int, ids_per_client: int, time_limit: float, see
         "threads_left": threads_left,
         "duration_s": round(duration, 2),
         "requests_per_s": round(len(totals.handles) / duration, 1) if duration else None,
-        "config": {"threads": threads, "ids_per_client": ids_per_client, "seed": seed,
-                   "num_kv_blocks": num_kv_blocks, "time_limit_s": time_limit},
+        "config": {
+            "threads": threads,
+            "ids_per_client": ids_per_client,
+            "seed": seed,
+            "num_kv_blocks": num_kv_blocks,
+            "time_limit_s": time_limit,
+        },
     }
     return summary
 
@@ -243,18 +285,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--ids-per-client", type=int, default=4)
-    ap.add_argument("--time-limit", type=float, default=300.0,
-                    help="stop submitting after this many seconds")
+    ap.add_argument(
+        "--time-limit", type=float, default=300.0, help="stop submitting after this many seconds"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="model directory (default: a tiny random one)")
     ap.add_argument("--num-kv-blocks", type=int, default=48)
     args = ap.parse_args(argv)
-    summary = run(args.requests, args.threads, args.ids_per_client, args.time_limit, args.seed,
-                  args.model, args.num_kv_blocks)
+    summary = run(
+        args.requests,
+        args.threads,
+        args.ids_per_client,
+        args.time_limit,
+        args.seed,
+        args.model,
+        args.num_kv_blocks,
+    )
     print(json.dumps(summary))
-    ok = (summary["lost"] == 0 and summary["leaked_blocks"] == 0 and summary["core_held"] == 0
-          and summary["registry_left"] == 0 and not summary["errors"]
-          and not summary["hung_clients"] and not summary["threads_left"])
+    ok = (
+        summary["lost"] == 0
+        and summary["leaked_blocks"] == 0
+        and summary["core_held"] == 0
+        and summary["registry_left"] == 0
+        and not summary["errors"]
+        and not summary["hung_clients"]
+        and not summary["threads_left"]
+    )
     return 0 if ok else 1
 
 

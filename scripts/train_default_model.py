@@ -59,12 +59,38 @@ SAMPLE_PROMPTS = ("The for statement", "A list is", "The import system")
 # and the documentation topics (read separately).
 SKIP_MODULES = frozenset(
     {
-        "idlelib", "tkinter", "turtle", "turtledemo", "antigravity", "this",
-        "test", "lib2to3", "ensurepip", "venv", "__main__", "__phello__",
-        "pydoc_data", "distutils", "msilib", "winreg", "winsound", "msvcrt",
-        "nt", "readline", "site", "sitecustomize", "usercustomize", "xxlimited",
-        "xxsubtype", "xxlimited_35", "webbrowser", "_tkinter", "_msi", "_winapi",
-        "_overlapped", "_scproxy",
+        "idlelib",
+        "tkinter",
+        "turtle",
+        "turtledemo",
+        "antigravity",
+        "this",
+        "test",
+        "lib2to3",
+        "ensurepip",
+        "venv",
+        "__main__",
+        "__phello__",
+        "pydoc_data",
+        "distutils",
+        "msilib",
+        "winreg",
+        "winsound",
+        "msvcrt",
+        "nt",
+        "readline",
+        "site",
+        "sitecustomize",
+        "usercustomize",
+        "xxlimited",
+        "xxsubtype",
+        "xxlimited_35",
+        "webbrowser",
+        "_tkinter",
+        "_msi",
+        "_winapi",
+        "_overlapped",
+        "_scproxy",
     }
 )
 
@@ -170,7 +196,13 @@ def collect_corpus(cache: Path) -> list[str]:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         subprocess.run(
-            [sys.executable, "-I", os.fspath(Path(__file__).resolve()), "--collect-corpus", os.fspath(tmp)],
+            [
+                sys.executable,
+                "-I",
+                os.fspath(Path(__file__).resolve()),
+                "--collect-corpus",
+                os.fspath(tmp),
+            ],
             check=True,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -274,7 +306,9 @@ def evaluate(model: Any, rows: Any, batch_size: int) -> float:
         for i in range(0, rows.shape[0], batch_size):
             b = rows[i : i + batch_size]
             logits = model(input_ids=b[:, :-1]).logits.float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1), reduction="sum")
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1), reduction="sum"
+            )
             total += loss.item()
             count += b[:, 1:].numel()
     model.train()
@@ -305,7 +339,11 @@ def greedy(model: Any, tok: Any, prompt: str, new_tokens: int, eot_id: int) -> s
     model.eval()
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eot_id, pad_token_id=eot_id
+            torch.tensor([ids]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eot_id,
+            pad_token_id=eot_id,
         )
     model.train()
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
@@ -324,14 +362,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
 
-    docs = collect_corpus(Path(args.cache_dir) / f"corpus-py{sys.version_info.major}{sys.version_info.minor}.json")
+    docs = collect_corpus(
+        Path(args.cache_dir) / f"corpus-py{sys.version_info.major}{sys.version_info.minor}.json"
+    )
     order = list(range(len(docs)))
     random.Random(args.seed).shuffle(order)
     n_val = max(1, round(len(docs) * args.val_frac))
     val_docs = [docs[i] for i in order[:n_val]]
     train_docs = [docs[i] for i in order[n_val:]]
-    log.info("corpus: %d documents (%d train, %d val), %d characters", len(docs), len(train_docs), len(val_docs),
-             sum(map(len, docs)))
+    log.info(
+        "corpus: %d documents (%d train, %d val), %d characters",
+        len(docs),
+        len(train_docs),
+        len(val_docs),
+        sum(map(len, docs)),
+    )
 
     tok = train_tokenizer(train_docs, args.vocab_size)
     vocab_size = tok.get_vocab_size()
@@ -341,10 +386,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     val_rows = pack(enc(val_docs), eot_id, args.context)
     n_train_tokens = train_rows.numel()
     n_val_tokens = val_rows.numel()
-    log.info("tokenizer: vocab %d; train %d tokens (%d rows), val %d tokens (%d rows)", vocab_size, n_train_tokens,
-             train_rows.shape[0], n_val_tokens, val_rows.shape[0])
+    log.info(
+        "tokenizer: vocab %d; train %d tokens (%d rows), val %d tokens (%d rows)",
+        vocab_size,
+        n_train_tokens,
+        train_rows.shape[0],
+        n_val_tokens,
+        val_rows.shape[0],
+    )
 
-    shape = ModelShape(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.context)
+    shape = ModelShape(
+        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.context
+    )
     model = build_model(shape, vocab_size, eot_id)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
@@ -353,8 +406,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     gen = torch.Generator().manual_seed(args.seed)
     perm = torch.randperm(train_rows.shape[0], generator=gen)
@@ -395,7 +453,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     adaptive = args.steps is None and args.replay_plan is None
     tok_per_s = float("nan")
     if args.replay_plan is not None:
-        plan = [(int(a), int(b)) for a, b in json.loads(Path(args.replay_plan).read_text())["training"]["plan"]]
+        plan = [
+            (int(a), int(b))
+            for a, b in json.loads(Path(args.replay_plan).read_text())["training"]["plan"]
+        ]
         start_step = 0
     elif args.steps is not None:
         plan = [(0, args.steps)]
@@ -408,12 +469,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if s >= 2:  # the first steps pay one-time allocation costs
                 times.append(time.monotonic() - t0)
             if (s + 1) % args.log_every == 0:
-                log.info("probe step %d/%d, median %.2fs/step", s + 1, probe_steps, sorted(times)[len(times) // 2])
+                log.info(
+                    "probe step %d/%d, median %.2fs/step",
+                    s + 1,
+                    probe_steps,
+                    sorted(times)[len(times) // 2],
+                )
         per_step_s = sorted(times)[len(times) // 2]
         tok_per_s = args.batch_size * args.context / per_step_s
         remaining = budget_s - (time.monotonic() - t_start) - args.reserve_s
         plan = [(probe_steps, probe_steps + max(1, int(remaining * 0.95 / per_step_s)))]
-        log.info("probe: median %.2fs/step, %.0f tokens/s -> %d total steps", per_step_s, tok_per_s, plan[0][1])
+        log.info(
+            "probe: median %.2fs/step, %.0f tokens/s -> %d total steps",
+            per_step_s,
+            tok_per_s,
+            plan[0][1],
+        )
         start_step = probe_steps
 
     def total_at(step: int) -> int:
@@ -437,8 +508,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         step += 1
         if step % args.log_every == 0 or step == total:
             el = time.monotonic() - t_start
-            log.info("step %d/%d loss %.4f (ema %.4f) lr %.2e epoch %d elapsed %.0fs", step, total, loss, ema,
-                     opt.param_groups[0]["lr"], epoch, el)
+            log.info(
+                "step %d/%d loss %.4f (ema %.4f) lr %.2e epoch %d elapsed %.0fs",
+                step,
+                total,
+                loss,
+                ema,
+                opt.param_groups[0]["lr"],
+                epoch,
+                el,
+            )
             if adaptive and step < 0.9 * total:
                 per = sum(recent) / len(recent)
                 remaining = budget_s - el - args.reserve_s
@@ -454,7 +533,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if vl < best[0]:
                 best = (vl, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
         if adaptive and time.monotonic() - t_start > hard_stop:
-            log.warning("hard stop at step %d (%.0fs > %.0fs)", step, time.monotonic() - t_start, hard_stop)
+            log.warning(
+                "hard stop at step %d (%.0fs > %.0fs)", step, time.monotonic() - t_start, hard_stop
+            )
             stopped_early = True
             break
     total_steps = total_at(step)
@@ -469,7 +550,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model.load_state_dict(best[2])
         val_loss, kept_step = best[0], best[1]
     uni = unigram_cross_entropy(train_rows, val_rows, vocab_size)
-    log.info("final val_loss %.4f ppl %.2f; unigram %.4f ppl %.2f", val_loss, math.exp(val_loss), uni, math.exp(uni))
+    log.info(
+        "final val_loss %.4f ppl %.2f; unigram %.4f ppl %.2f",
+        val_loss,
+        math.exp(val_loss),
+        uni,
+        math.exp(uni),
+    )
 
     # ---- write the HF directory
     dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
@@ -481,14 +568,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model.save_pretrained(out, safe_serialization=True)
     _fix_config_json(out / "config.json", args.save_dtype)
     tok.save(os.fspath(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOT,
-        "eos_token": EOT,
-        "unk_token": EOT,
-        "model_max_length": args.context,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": EOT,
+                "eos_token": EOT,
+                "unk_token": EOT,
+                "model_max_length": args.context,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     # The model in the saved dtype, evaluated again: these are the shipped numbers.
     model.float()
     if dtype != torch.float32:
@@ -511,22 +604,41 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "val_tokens": n_val_tokens,
         },
         "tokenizer": {"type": "byte-level BPE", "vocab_size": vocab_size, "special_tokens": [EOT]},
-        "model": {"architecture": "LlamaForCausalLM", **asdict(shape), "vocab_size": vocab_size,
-                  "tie_word_embeddings": True, "parameters": n_params, "saved_dtype": args.save_dtype},
+        "model": {
+            "architecture": "LlamaForCausalLM",
+            **asdict(shape),
+            "vocab_size": vocab_size,
+            "tie_word_embeddings": True,
+            "parameters": n_params,
+            "saved_dtype": args.save_dtype,
+        },
         "training": {
-            "seed": args.seed, "steps": step, "planned_steps": total_steps,
-            "plan": plan, "stopped_early": stopped_early,
+            "seed": args.seed,
+            "steps": step,
+            "planned_steps": total_steps,
+            "plan": plan,
+            "stopped_early": stopped_early,
             "kept_step": kept_step,
-            "batch_size": args.batch_size, "tokens_seen": step * args.batch_size * args.context,
-            "epochs": step * args.batch_size / train_rows.shape[0], "lr": args.lr, "warmup": args.warmup,
-            "weight_decay": args.weight_decay, "threads": args.threads, "probe_tokens_per_s": tok_per_s,
-            "time_budget_min": args.time_budget_min, "setup_s": round(setup_s, 1),
+            "batch_size": args.batch_size,
+            "tokens_seen": step * args.batch_size * args.context,
+            "epochs": step * args.batch_size / train_rows.shape[0],
+            "lr": args.lr,
+            "warmup": args.warmup,
+            "weight_decay": args.weight_decay,
+            "threads": args.threads,
+            "probe_tokens_per_s": tok_per_s,
+            "time_budget_min": args.time_budget_min,
+            "setup_s": round(setup_s, 1),
             "wall_s": round(train_s, 1),
         },
         "validation": {
-            "loss": val_loss, "perplexity": math.exp(val_loss),
-            "loss_saved_dtype": val_loss_saved, "perplexity_saved_dtype": math.exp(val_loss_saved),
-            "unigram_loss": uni, "unigram_perplexity": math.exp(uni), "history": history,
+            "loss": val_loss,
+            "perplexity": math.exp(val_loss),
+            "loss_saved_dtype": val_loss_saved,
+            "perplexity_saved_dtype": math.exp(val_loss_saved),
+            "unigram_loss": uni,
+            "unigram_perplexity": math.exp(uni),
+            "history": history,
         },
         "greedy_samples": samples,
     }
@@ -589,15 +701,27 @@ def figures_markdown(r: dict[str, Any]) -> str:
         ("Corpus", f"{c['documents']:,} documents, {c['characters']:,} characters"),
         ("Tokens (train / val)", f"{c['train_tokens']:,} / {c['val_tokens']:,}"),
         ("Tokenizer", f"byte-level BPE, vocab {r['tokenizer']['vocab_size']:,}"),
-        ("Model", f"Llama, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
-                  f"{m['num_attention_heads']} heads ({m['num_key_value_heads']} KV), "
-                  f"MLP {m['intermediate_size']}, context {m['context']}"),
+        (
+            "Model",
+            f"Llama, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+            f"{m['num_attention_heads']} heads ({m['num_key_value_heads']} KV), "
+            f"MLP {m['intermediate_size']}, context {m['context']}",
+        ),
         ("Parameters", f"{m['parameters']:,} (tied embeddings), stored as {m['saved_dtype']}"),
-        ("Training", f"{t['steps']:,} steps x {t['batch_size']} x {m['context']} tokens = "
-                     f"{t['tokens_seen']:,} tokens ({t['epochs']:.2f} epochs), "
-                     f"{t['wall_s'] / 60:.1f} min on {t['threads']} CPU threads"),
-        ("Validation loss / perplexity", f"{v['loss_saved_dtype']:.3f} nats / {v['perplexity_saved_dtype']:.1f}"),
-        ("Unigram baseline loss / perplexity", f"{v['unigram_loss']:.3f} nats / {v['unigram_perplexity']:.1f}"),
+        (
+            "Training",
+            f"{t['steps']:,} steps x {t['batch_size']} x {m['context']} tokens = "
+            f"{t['tokens_seen']:,} tokens ({t['epochs']:.2f} epochs), "
+            f"{t['wall_s'] / 60:.1f} min on {t['threads']} CPU threads",
+        ),
+        (
+            "Validation loss / perplexity",
+            f"{v['loss_saved_dtype']:.3f} nats / {v['perplexity_saved_dtype']:.1f}",
+        ),
+        (
+            "Unigram baseline loss / perplexity",
+            f"{v['unigram_loss']:.3f} nats / {v['unigram_perplexity']:.1f}",
+        ),
     ]
     lines = ["| | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
     return "\n".join(lines) + "\n"
@@ -607,15 +731,25 @@ def figures_markdown(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default="/work/train_out/run")
     p.add_argument("--cache-dir", default="/work/train_out/cache")
     p.add_argument("--time-budget-min", type=float, default=45.0)
-    p.add_argument("--steps", type=int, default=None, help="fixed number of steps (skips the throughput probe)")
-    p.add_argument("--replay-plan", metavar="TRAINING.json", help="repeat the step plan of an earlier run")
+    p.add_argument(
+        "--steps", type=int, default=None, help="fixed number of steps (skips the throughput probe)"
+    )
+    p.add_argument(
+        "--replay-plan", metavar="TRAINING.json", help="repeat the step plan of an earlier run"
+    )
     p.add_argument("--replan-window", type=int, default=60, help="steps averaged when re-planning")
-    p.add_argument("--probe-steps", type=int, default=100, help="timed warmup steps (at most --warmup)")
-    p.add_argument("--reserve-s", type=float, default=120.0, help="seconds kept for evaluation and saving")
+    p.add_argument(
+        "--probe-steps", type=int, default=100, help="timed warmup steps (at most --warmup)"
+    )
+    p.add_argument(
+        "--reserve-s", type=float, default=120.0, help="seconds kept for evaluation and saving"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=6144)
@@ -634,7 +768,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--collect-corpus", metavar="PATH", help=argparse.SUPPRESS)
-    p.add_argument("--install-from", metavar="DIR", help="copy a finished run into nbengine/default_model")
+    p.add_argument(
+        "--install-from", metavar="DIR", help="copy a finished run into nbengine/default_model"
+    )
     args = p.parse_args(argv)
     if args.heads % args.kv_heads or args.hidden % args.heads:
         p.error("--heads must divide --hidden and be a multiple of --kv-heads")
@@ -654,7 +790,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(message)s",
-        handlers=[logging.StreamHandler(), logging.FileHandler(Path(args.out) / "train.log", mode="w")],
+        handlers=[
+            logging.StreamHandler(),
+            logging.FileHandler(Path(args.out) / "train.log", mode="w"),
+        ],
     )
     train(args)
 

@@ -19,14 +19,23 @@ from nbengine.testing import make_tiny_model
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ENGINES = ("nbengine", "hf_static", "hf_cb")
-RUN_FIELDS = ("wall_s", "output_tok_s", "total_tok_s", "ttft_p50_ms", "ttft_p99_ms",
-              "itl_p50_ms", "itl_p99_ms", "fraction_of_bound")
+RUN_FIELDS = (
+    "wall_s",
+    "output_tok_s",
+    "total_tok_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "fraction_of_bound",
+)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("bench") / "m", max_position_embeddings=512,
-                           vocab_size=512)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("bench") / "m", max_position_embeddings=512, vocab_size=512
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +83,28 @@ def test_spread_of_repeats_and_its_warning() -> None:
     assert math.isclose(steady["spread"], 0.06) and math.isclose(shaky["spread"], 0.3)
     warnings = spread_warnings({"W1": {"a": steady, "b": shaky}}, 0.10)
     assert len(warnings) == 1 and warnings[0].startswith("W1 b: repeats disagree by 30%")
-    text = format_report({
-        "machine": {"cpu_count": 2, "cpu_flags": [], "torch": "t", "torch_threads": 2,
-                    "transformers": "x", "load_average_start": None, "load_average_end": None,
-                    "bandwidth_gb_s": 1.0, "matmul_gflop_s": 1.0, "matmul_gflop_s_float32": 1.0},
-        "config": {"model_dir": "m", "dtype": "bfloat16", "scale": 1, "repeats": 3},
-        "results": {}, "bounds": {}, "targets": {}, "warnings": warnings, "elapsed_s": 1.0})
+    text = format_report(
+        {
+            "machine": {
+                "cpu_count": 2,
+                "cpu_flags": [],
+                "torch": "t",
+                "torch_threads": 2,
+                "transformers": "x",
+                "load_average_start": None,
+                "load_average_end": None,
+                "bandwidth_gb_s": 1.0,
+                "matmul_gflop_s": 1.0,
+                "matmul_gflop_s_float32": 1.0,
+            },
+            "config": {"model_dir": "m", "dtype": "bfloat16", "scale": 1, "repeats": 3},
+            "results": {},
+            "bounds": {},
+            "targets": {},
+            "warnings": warnings,
+            "elapsed_s": 1.0,
+        }
+    )
     assert "WARNINGS:" in text and "W1 b: repeats disagree" in text
 
 
@@ -120,11 +145,25 @@ def test_workloads_are_deterministic() -> None:
     assert len(w3) == 64 and all(p[:192] == w3[0][:192] for p in w3)
 
 
-def test_cli_writes_json(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                         ) -> None:
+def test_cli_writes_json(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "r.json"
-    rc = main(["bench", "--model", str(model_dir), "--quick", "--workloads", "W2",
-               "--engines", "nbengine", "--no-abort", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--model",
+            str(model_dir),
+            "--quick",
+            "--workloads",
+            "W2",
+            "--engines",
+            "nbengine",
+            "--no-abort",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert _positive(data["results"]["W2"]["nbengine"]["output_tok_s"])

@@ -16,20 +16,36 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def nbengine(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nbengine", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "nbengine", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("args, says", [
-    (["generate", "Hi", "--max-tokens", "0"], "--max-tokens: must be at least 1, got 0"),
-    (["generate", "Hi", "--temperature", "-1"], "--temperature: must be 0 or more"),
-    (["generate", "Hi", "--model", "/nope"], "--model /nope: no such directory"),
-    (["generate", "Hi", "--model", "nbengine"], "not a model directory"),
-    (["generate", ""], "The prompt is empty"),
-    (["generate", "word " * 2000], "more than max_model_len"),
-    (["demo", "--model", "/nope"], "--model /nope: no such directory"),
-], ids=["max-tokens-0", "temperature-negative", "missing-model", "not-a-model", "empty-prompt",
-        "long-prompt", "demo-missing-model"])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["generate", "Hi", "--max-tokens", "0"], "--max-tokens: must be at least 1, got 0"),
+        (["generate", "Hi", "--temperature", "-1"], "--temperature: must be 0 or more"),
+        (["generate", "Hi", "--model", "/nope"], "--model /nope: no such directory"),
+        (["generate", "Hi", "--model", "nbengine"], "not a model directory"),
+        (["generate", ""], "The prompt is empty"),
+        (["generate", "word " * 2000], "more than max_model_len"),
+        (["demo", "--model", "/nope"], "--model /nope: no such directory"),
+    ],
+    ids=[
+        "max-tokens-0",
+        "temperature-negative",
+        "missing-model",
+        "not-a-model",
+        "empty-prompt",
+        "long-prompt",
+        "demo-missing-model",
+    ],
+)
 def test_a_bad_value_is_one_line_and_status_2(args: list[str], says: str) -> None:
     r = nbengine(*args)
     assert r.returncode == 2, r
@@ -74,16 +90,32 @@ def test_tutorials_copies_once_and_keeps_edits(tmp_path: Path) -> None:
 
 def test_bench_report_formats_figures_for_people() -> None:
     report = {
-        "machine": {"cpu_count": 2, "cpu_flags": ["avx2"], "torch": "2.13", "torch_threads": 2,
-                    "transformers": "5", "load_average_start": (1.2345678901234, 0.5, 0.25),
-                    "load_average_end": (3.98765432109876, 1.0, 0.5),
-                    "bandwidth_gb_s": 30.0, "matmul_gflop_s": 400.0,
-                    "matmul_gflop_s_float32": 200.0},
+        "machine": {
+            "cpu_count": 2,
+            "cpu_flags": ["avx2"],
+            "torch": "2.13",
+            "torch_threads": 2,
+            "transformers": "5",
+            "load_average_start": (1.2345678901234, 0.5, 0.25),
+            "load_average_end": (3.98765432109876, 1.0, 0.5),
+            "bandwidth_gb_s": 30.0,
+            "matmul_gflop_s": 400.0,
+            "matmul_gflop_s_float32": 200.0,
+        },
         "config": {"model_dir": "m", "dtype": "bfloat16", "scale": 0.1, "repeats": 1},
-        "results": {"W2": {"nbengine": {
-            "output_tok_s": 90.0, "total_tok_s": 100.0, "ttft_p50_ms": 40.0,
-            "ttft_p99_ms": 50.0, "itl_p50_ms": 10.0, "itl_p99_ms": 12.0,
-            "decode_fraction_of_bound": 1.45}}},
+        "results": {
+            "W2": {
+                "nbengine": {
+                    "output_tok_s": 90.0,
+                    "total_tok_s": 100.0,
+                    "ttft_p50_ms": 40.0,
+                    "ttft_p99_ms": 50.0,
+                    "itl_p50_ms": 10.0,
+                    "itl_p99_ms": 12.0,
+                    "decode_fraction_of_bound": 1.45,
+                }
+            }
+        },
         "bounds": {"W2": {"output_tok_s": 120.0, "decode_step_ms": 8.0}},
         "targets": {},
         "elapsed_s": 12.0,

@@ -36,7 +36,6 @@ REQUIRED_FILES = (
 )
 
 
-
 @pytest.fixture(scope="module")
 def hf_model() -> object:
     model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
@@ -163,12 +162,38 @@ def test_learning_rate_schedule_warms_up_then_decays_to_the_floor() -> None:
 def test_training_script_writes_a_loadable_model_directory(tmp_path: Path) -> None:
     script = _load_script()
     out = tmp_path / "run"
-    args = script.parse_args([
-        "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--steps", "4", "--warmup", "2",
-        "--hidden", "32", "--layers", "1", "--heads", "1", "--kv-heads", "1", "--intermediate", "64",
-        "--batch-size", "2", "--context", "32", "--vocab-size", "4096", "--eval-every", "2",
-        "--threads", "1",
-    ])
+    args = script.parse_args(
+        [
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "1",
+            "--kv-heads",
+            "1",
+            "--intermediate",
+            "64",
+            "--batch-size",
+            "2",
+            "--context",
+            "32",
+            "--vocab-size",
+            "4096",
+            "--eval-every",
+            "2",
+            "--threads",
+            "1",
+        ]
+    )
     threads = torch.get_num_threads()
     try:
         report = script.train(args)

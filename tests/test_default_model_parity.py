@@ -23,10 +23,13 @@ def _transformers_greedy(prompt_ids: list[list[int]]) -> list[list[int]]:
         for ids in prompt_ids:
             x = torch.tensor([ids])
             y = model.generate(
-                x, attention_mask=torch.ones_like(x), do_sample=False,
-                max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                pad_token_id=0,
             )
-            out.append(y[0, len(ids):].tolist())
+            out.append(y[0, len(ids) :].tolist())
     return out
 
 

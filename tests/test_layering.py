@@ -24,8 +24,9 @@ def _imports(path: Path) -> set[str]:
 
 def test_core_and_backends_do_not_import_the_frontend() -> None:
     offenders = {
-        str(path.relative_to(PACKAGE)): sorted(m for m in _imports(path)
-                                               if m.startswith("nbengine.frontend"))
+        str(path.relative_to(PACKAGE)): sorted(
+            m for m in _imports(path) if m.startswith("nbengine.frontend")
+        )
         for sub in ("core", "distributed")
         for path in (PACKAGE / sub).rglob("*.py")
     }
@@ -41,8 +42,12 @@ def test_core_and_backends_do_not_import_the_frontend() -> None:
 # Modules that must not touch any private attribute of another object at all.
 _STRICT = ("dashboard", "distributed", "bench", "llm.py", "cli.py")
 # The frontend modules whose classes' private names nothing outside the frontend may use.
-_OWNERS = {"frontend/engine.py": "Engine", "frontend/handles.py": "RequestHandle",
-           "frontend/loop_bridge.py": "LoopBridge", "frontend/registry.py": "RequestRegistry"}
+_OWNERS = {
+    "frontend/engine.py": "Engine",
+    "frontend/handles.py": "RequestHandle",
+    "frontend/loop_bridge.py": "LoopBridge",
+    "frontend/registry.py": "RequestRegistry",
+}
 
 
 def _is_private(name: str) -> bool:
@@ -59,8 +64,12 @@ def _class_private_names(path: Path, cls_name: str) -> set[str]:
                 names.add(node.name)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
-            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
                 names.add(node.attr)
     return {n for n in names if _is_private(n)}
 
@@ -89,14 +98,20 @@ def _private_accesses(path: Path) -> list[tuple[int, str, str]]:
     found: list[tuple[int, str, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _is_private(node.attr):
-            if not exempt(node.value) and not (isinstance(node.value, ast.Name)
-                                               and node.value.id in modules):
+            if not exempt(node.value) and not (
+                isinstance(node.value, ast.Name) and node.value.id in modules
+            ):
                 found.append((node.lineno, node.attr, ast.unparse(node)))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
-              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str) and _is_private(node.args[1].value)
-              and not exempt(node.args[0])):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _is_private(node.args[1].value)
+            and not exempt(node.args[0])
+        ):
             found.append((node.lineno, node.args[1].value, ast.unparse(node)))
     return found
 

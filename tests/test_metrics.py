@@ -28,8 +28,15 @@ class Ev:
     step: int | None = None
 
 
-def _walk(log: MetricsLog, rid: str, key: str, t0: float, statuses: list[S], tokens: int = 0,
-          dt: float = 1.0) -> float:
+def _walk(
+    log: MetricsLog,
+    rid: str,
+    key: str,
+    t0: float,
+    statuses: list[S],
+    tokens: int = 0,
+    dt: float = 1.0,
+) -> float:
     prev: S | None = None
     t = t0
     for st in statuses:
@@ -40,13 +47,31 @@ def _walk(log: MetricsLog, rid: str, key: str, t0: float, statuses: list[S], tok
     return t
 
 
-def _step(i: int, t: float, used: int = 3, total: int = 10, hits: int = 0, queries: int = 0,
-          running: int = 1, waiting: int = 0) -> StepStats:
-    return StepStats(step=i, start_time=t, duration_s=0.01, num_requests=running,
-                     num_prefill_tokens=4 if i == 0 else 0, num_decode_tokens=running,
-                     num_running=running, num_waiting=waiting, kv_blocks_used=used,
-                     kv_blocks_total=total, prefix_cache_queries=queries,
-                     prefix_cache_hits=hits, num_preemptions=0)
+def _step(
+    i: int,
+    t: float,
+    used: int = 3,
+    total: int = 10,
+    hits: int = 0,
+    queries: int = 0,
+    running: int = 1,
+    waiting: int = 0,
+) -> StepStats:
+    return StepStats(
+        step=i,
+        start_time=t,
+        duration_s=0.01,
+        num_requests=running,
+        num_prefill_tokens=4 if i == 0 else 0,
+        num_decode_tokens=running,
+        num_running=running,
+        num_waiting=waiting,
+        kv_blocks_used=used,
+        kv_blocks_total=total,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        num_preemptions=0,
+    )
 
 
 def test_one_row_per_transition_with_names() -> None:
@@ -75,8 +100,14 @@ def test_request_stats_timings_and_finish_reasons() -> None:
     log.on_event(Ev("a", "a#1", S.RUNNING, S.PREEMPTED, 5.0, num_output_tokens=4))
     log.on_event(Ev("a", "a#1", S.PREEMPTED, S.RUNNING, 5.5, num_output_tokens=4))
     log.on_event(Ev("a", "a#1", S.RUNNING, S.FINISHED_LENGTH_CAPPED, 6.0, num_output_tokens=4))
-    _walk(log, "b", "b#2", 1.0, [S.QUEUED, S.WAITING, S.RUNNING, S.RELEASING,
-                                  S.FINISHED_ABORTED], tokens=0)
+    _walk(
+        log,
+        "b",
+        "b#2",
+        1.0,
+        [S.QUEUED, S.WAITING, S.RUNNING, S.RELEASING, S.FINISHED_ABORTED],
+        tokens=0,
+    )
 
     df = log.request_stats()
     assert list(df.columns) == list(REQUEST_COLUMNS)
@@ -107,8 +138,9 @@ def test_live_request_has_no_finish() -> None:
 
 def test_reused_id_gives_one_row_per_incarnation() -> None:
     log = MetricsLog()
-    t = _walk(log, "r", "r#1", 0.0, [S.QUEUED, S.WAITING, S.RUNNING, S.RELEASING,
-                                      S.FINISHED_ABORTED])
+    t = _walk(
+        log, "r", "r#1", 0.0, [S.QUEUED, S.WAITING, S.RUNNING, S.RELEASING, S.FINISHED_ABORTED]
+    )
     _walk(log, "r", "r#2", t, [S.QUEUED, S.WAITING, S.RUNNING, S.FINISHED_STOPPED], tokens=3)
     df = log.request_stats()
     assert df["request_id"].tolist() == ["r", "r"]
@@ -156,8 +188,14 @@ def test_memory_is_bounded_and_live_requests_survive() -> None:
     log = MetricsLog(max_events=50, max_requests=5, max_steps=7, max_itl_samples=8)
     _walk(log, "live", "live#1", 0.0, [S.QUEUED, S.WAITING, S.RUNNING])
     for i in range(40):
-        _walk(log, f"r{i}", f"r{i}#1", float(i), [S.QUEUED, S.WAITING, S.RUNNING,
-                                                  S.FINISHED_STOPPED], tokens=1)
+        _walk(
+            log,
+            f"r{i}",
+            f"r{i}#1",
+            float(i),
+            [S.QUEUED, S.WAITING, S.RUNNING, S.FINISHED_STOPPED],
+            tokens=1,
+        )
     for i in range(30):
         log.on_step(_step(i, float(i)))
     for n in range(1, 100):
@@ -186,8 +224,14 @@ def test_readers_see_consistent_snapshots_while_writer_runs() -> None:
     def writer() -> None:
         i = 0
         while not stop.is_set():
-            _walk(log, f"w{i}", f"w{i}#1", float(i), [S.QUEUED, S.WAITING, S.RUNNING,
-                                                      S.FINISHED_STOPPED], tokens=2)
+            _walk(
+                log,
+                f"w{i}",
+                f"w{i}#1",
+                float(i),
+                [S.QUEUED, S.WAITING, S.RUNNING, S.FINISHED_STOPPED],
+                tokens=2,
+            )
             i += 1
 
     th = threading.Thread(target=writer)
@@ -219,16 +263,28 @@ def known_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, .
     from nbengine.testing import make_tiny_model
 
     path = make_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "llama", arch="llama", hidden_size=32,
-        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048,
+        tmp_path_factory.mktemp("tiny") / "llama",
+        arch="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
     )
-    with nb.Engine(str(path), num_kv_blocks=256, block_size=16, max_num_seqs=8,
-                   max_num_batched_tokens=256, enable_prefix_caching=True) as engine:
+    with nb.Engine(
+        str(path),
+        num_kv_blocks=256,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+    ) as engine:
         params = nb.SamplingParams(max_tokens=8, ignore_eos=True)
         first = engine.generate(PROMPT, params, request_id="first").result(timeout=120)
-        h = engine.generate(PROMPT, nb.SamplingParams(max_tokens=1500, ignore_eos=True),
-                            request_id="aborted")
+        h = engine.generate(
+            PROMPT, nb.SamplingParams(max_tokens=1500, ignore_eos=True), request_id="aborted"
+        )
         deadline = time.monotonic() + 60
         while len(h.token_ids) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -244,8 +300,7 @@ def test_engine_events_one_row_per_transition(known_run: tuple[Any, ...]) -> Non
     assert list(ev.columns) == list(EVENT_COLUMNS)
     first, second = sorted(set(ev[ev["request_id"] == "first"]["key"]))
     walk = ev[ev["key"] == first]
-    assert walk["to_status"].tolist() == ["QUEUED", "WAITING", "RUNNING",
-                                          "FINISHED_LENGTH_CAPPED"]
+    assert walk["to_status"].tolist() == ["QUEUED", "WAITING", "RUNNING", "FINISHED_LENGTH_CAPPED"]
     assert walk["from_status"].tolist()[1:] == walk["to_status"].tolist()[:-1]
     assert walk["num_output_tokens"].tolist()[-1] == 8
     assert walk["time"].is_monotonic_increasing
@@ -260,8 +315,11 @@ def test_engine_request_stats_values(known_run: tuple[Any, ...]) -> None:
     df = engine.request_stats()
     assert list(df.columns) == list(REQUEST_COLUMNS)
     assert df["request_id"].tolist() == ["first", "aborted", "first"]
-    assert df["status"].tolist() == ["FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
-                                     "FINISHED_LENGTH_CAPPED"]
+    assert df["status"].tolist() == [
+        "FINISHED_LENGTH_CAPPED",
+        "FINISHED_ABORTED",
+        "FINISHED_LENGTH_CAPPED",
+    ]
     assert df["finish_reason"].tolist() == ["length", "abort", "length"]
     assert (df["prompt_tokens"] == n_prompt).all()
     assert df["output_tokens"].tolist() == [8, len(aborted.outputs[0].token_ids), 8]

@@ -55,8 +55,10 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 IGNORE = "NBVAL_IGNORE_OUTPUT"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-FIX = ("run the tutorials from copies (nbengine tutorials); undo with git checkout "
-       "notebooks/, or store a clean run: python scripts/refresh_notebooks.py")
+FIX = (
+    "run the tutorials from copies (nbengine tutorials); undo with git checkout "
+    "notebooks/, or store a clean run: python scripts/refresh_notebooks.py"
+)
 
 # Number of code cells marked NBVAL_IGNORE_OUTPUT per notebook (see the module docstring).
 EXPECTED_UNCHECKED: dict[str, int] = {
@@ -102,7 +104,8 @@ def unchecked_cells() -> dict[str, list[int]]:
     for path in PATHS:
         nb = _load(path)
         result[path.name] = [
-            i for i, c in enumerate(nb["cells"])
+            i
+            for i, c in enumerate(nb["cells"])
             if c["cell_type"] == "code" and IGNORE in _markers(c)
         ]
     return result
@@ -126,7 +129,8 @@ def test_no_widget_state(path: Path) -> None:
         assert "widgets" not in cell.get("metadata", {}), f"{path.name} cell {i}; {FIX}"
         for out in cell.get("outputs", []):
             assert WIDGET_VIEW not in out.get("data", {}), (
-                f"{path.name} cell {i} stores a widget view; {FIX}")
+                f"{path.name} cell {i} stores a widget view; {FIX}"
+            )
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.name)
@@ -134,7 +138,8 @@ def test_ignored_cells_store_no_output(path: Path) -> None:
     for i, cell in enumerate(_load(path)["cells"]):
         if cell["cell_type"] == "code" and IGNORE in _markers(cell):
             assert cell["outputs"] == [], (
-                f"{path.name} cell {i} is ignored but stores output; {FIX}")
+                f"{path.name} cell {i} is ignored but stores output; {FIX}"
+            )
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.name)

@@ -38,23 +38,27 @@ def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
     return pytester
 
 
-def test_skips_are_listed_in_their_own_section(suite: pytest.Pytester,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_skips_are_listed_in_their_own_section(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("NBENGINE_REQUIRE_ALL", raising=False)
     result = suite.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, skipped=3)
     out = result.stdout.str()
     assert "2 REQUIRED TESTS SKIPPED" in out
-    result.stdout.fnmatch_lines([
-        "*SKIPPED (required) test_suite.py::test_needs_a_browser: /usr/bin/chromium is missing",
-        "*SKIPPED (required) test_suite.py::test_needs_avx512: native kernels: no avx512_bf16",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*SKIPPED (required) test_suite.py::test_needs_a_browser: /usr/bin/chromium is missing",
+            "*SKIPPED (required) test_suite.py::test_needs_avx512: native kernels: no avx512_bf16",
+        ]
+    )
     assert "test_optional" not in out.split("REQUIRED TESTS SKIPPED")[1]
     assert result.ret == 0
 
 
-def test_require_all_turns_them_into_failures(suite: pytest.Pytester,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_require_all_turns_them_into_failures(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NBENGINE_REQUIRE_ALL", "1")
     result = suite.runpytest_subprocess("-p", "no:cacheprovider")
     # A skip at setup (a skipif mark) fails as an error, one in the test body as a failure.

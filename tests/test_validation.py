@@ -10,7 +10,14 @@ from nbengine.validation import is_int, is_number
 
 def test_bools_are_neither_ints_nor_numbers() -> None:
     assert [is_int(v) for v in (3, -1, True, False, 3.0, "3", None)] == [
-        True, True, False, False, False, False, False]
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+    ]
     assert [is_number(v) for v in (3, 2.5, True, "2.5", None)] == [True, True, False, False, False]
 
 

@@ -21,16 +21,44 @@ def test_wheel_installs_the_kernel_and_the_default_model(tmp_path: Path) -> None
     # Built from a copy of what a source distribution holds, so that setuptools' build/
     # directory (which keeps files deleted since) never lands in the checkout.
     src = tmp_path / "src"
-    shutil.copytree(ROOT / "nbengine", src / "nbengine",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        ROOT / "nbengine", src / "nbengine", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        timeout=600,
+    )
     wheel = next((tmp_path / "dist").glob("nbengine-*.whl"))
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
-                    str(site), str(wheel)], check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=True,
+        timeout=600,
+    )
     prefix = tmp_path / "prefix"
     code = (
         "import json, nbengine\n"
@@ -44,8 +72,14 @@ def test_wheel_installs_the_kernel_and_the_default_model(tmp_path: Path) -> None
     )
     # The wheel's copy comes first on the path, ahead of this checkout's editable install.
     env = {**os.environ, "PYTHONPATH": str(site)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["package"].startswith(str(site))

@@ -61,13 +61,16 @@ class BenchConfig:
             from nbengine.ops.quant import QUANTIZATION_MODES
 
             if self.quantization not in QUANTIZATION_MODES:
-                raise ValueError(f"quantization must be one of {tuple(QUANTIZATION_MODES)} or "
-                                 f"None, got {self.quantization!r}.")
+                raise ValueError(
+                    f"quantization must be one of {tuple(QUANTIZATION_MODES)} or "
+                    f"None, got {self.quantization!r}."
+                )
         if self.scale <= 0:
             raise ValueError(f"scale must be positive, got {self.scale}.")
         if self.omp_wait_policy not in ("PASSIVE", "ACTIVE"):
-            raise ValueError(f"omp_wait_policy must be PASSIVE or ACTIVE, got "
-                             f"{self.omp_wait_policy!r}.")
+            raise ValueError(
+                f"omp_wait_policy must be PASSIVE or ACTIVE, got {self.omp_wait_policy!r}."
+            )
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}.")
 

@@ -80,8 +80,9 @@ class NbengineDriver:
 
     name = "nbengine"
 
-    def __init__(self, model_dir: Path, dtype: str, engine_kwargs: dict[str, Any] | None = None
-                 ) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: str, engine_kwargs: dict[str, Any] | None = None
+    ) -> None:
         self.model_dir = model_dir
         self.dtype = dtype
         self.engine_kwargs = dict(engine_kwargs or {})
@@ -102,8 +103,12 @@ class NbengineDriver:
         engine, timer = self._engine(**overrides)
         try:
             params = [
-                nb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                  output_kind=nb.RequestOutputKind.FINAL_ONLY)
+                nb.SamplingParams(
+                    temperature=0.0,
+                    max_tokens=n,
+                    ignore_eos=True,
+                    output_kind=nb.RequestOutputKind.FINAL_ONLY,
+                )
                 for n in wl.output_lens
             ]
             t0 = time.perf_counter()
@@ -127,18 +132,25 @@ class NbengineDriver:
             engine.shutdown()
         return res
 
-    def abort_latency(self, prompts: list[list[int]], num_running: int, num_aborts: int
-                      ) -> list[float]:
+    def abort_latency(
+        self, prompts: list[list[int]], num_running: int, num_aborts: int
+    ) -> list[float]:
         """Seconds per ``engine.abort()`` call while ``num_running`` requests decode."""
         import nbengine as nb
 
         engine, timer = self._engine()
         lat: list[float] = []
         try:
-            sp = nb.SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True,
-                                   output_kind=nb.RequestOutputKind.DELTA)
-            handles = [engine.generate(prompts[i % len(prompts)], sp, request_id=f"a{i}")
-                       for i in range(num_running)]
+            sp = nb.SamplingParams(
+                temperature=0.0,
+                max_tokens=100_000,
+                ignore_eos=True,
+                output_kind=nb.RequestOutputKind.DELTA,
+            )
+            handles = [
+                engine.generate(prompts[i % len(prompts)], sp, request_id=f"a{i}")
+                for i in range(num_running)
+            ]
             # Wait until every request has produced a token (all RUNNING and decoding).
             deadline = time.monotonic() + 600
             while len(timer.token_times) < num_running and time.monotonic() < deadline:
@@ -215,14 +227,20 @@ class HFStaticDriver:
                 ids = torch.zeros(len(prompts), width, dtype=torch.int64)
                 mask = torch.zeros(len(prompts), width, dtype=torch.int64)
                 for i, p in enumerate(prompts):  # left padding
-                    ids[i, width - len(p):] = torch.tensor(p)
-                    mask[i, width - len(p):] = 1
+                    ids[i, width - len(p) :] = torch.tensor(p)
+                    mask[i, width - len(p) :] = 1
                 n_new = max(outs)
-                cfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new,
-                                       do_sample=False, pad_token_id=0, eos_token_id=None)
+                cfg = GenerationConfig(
+                    max_new_tokens=n_new,
+                    min_new_tokens=n_new,
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
                 clock = _StepClock()
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg,
-                                     streamer=clock)
+                out = model.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=cfg, streamer=clock
+                )
                 assert out.shape[1] == width + n_new, "generate stopped early"
                 steps = clock.times[1:]  # times[0] is the prompt
                 for p, n in zip(prompts, outs):
@@ -239,8 +257,9 @@ class HFContinuousDriver:
 
     name = "hf_cb"
 
-    def __init__(self, model_dir: Path, dtype: str, max_batch_tokens: int = 512,
-                 max_requests: int = 64) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: str, max_batch_tokens: int = 512, max_requests: int = 64
+    ) -> None:
         self.model = load_hf_model(model_dir, dtype)
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests
@@ -255,22 +274,34 @@ class HFContinuousDriver:
         page = 16
         per_req = -(-max_len // page) + 1
         cb = ContinuousBatchingConfig(
-            page_size=page, num_blocks=per_req * len(wl.prompts) + 8,
+            page_size=page,
+            num_blocks=per_req * len(wl.prompts) + 8,
             max_batch_tokens=self.max_batch_tokens,
-            max_requests_per_batch=self.max_requests, allow_block_sharing=True,
-            auto_switch_to_flash=False, use_cuda_graph=False, use_async_batching=False,
+            max_requests_per_batch=self.max_requests,
+            allow_block_sharing=True,
+            auto_switch_to_flash=False,
+            use_cuda_graph=False,
+            use_async_batching=False,
         )
-        gen = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens),
-                               eos_token_id=-1, pad_token_id=0)
+        gen = GenerationConfig(
+            do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1, pad_token_id=0
+        )
         results: dict[str, Any] = {}
-        with torch.inference_mode(), model.continuous_batching_context_manager(
-            generation_config=gen, continuous_batching_config=cb, block=True, timeout=30,
-            warmup=False,
-        ) as manager:
+        with (
+            torch.inference_mode(),
+            model.continuous_batching_context_manager(
+                generation_config=gen,
+                continuous_batching_config=cb,
+                block=True,
+                timeout=30,
+                warmup=False,
+            ) as manager,
+        ):
             t0 = time.perf_counter()
             ids = [
-                manager.add_request(p, request_id=f"r{i}", max_new_tokens=n,
-                                    record_timestamps=True, eos_token_id=-1)
+                manager.add_request(
+                    p, request_id=f"r{i}", max_new_tokens=n, record_timestamps=True, eos_token_id=-1
+                )
                 for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens))
             ]
             while len(results) < len(ids):
@@ -299,7 +330,6 @@ class HFContinuousDriver:
         return res
 
 
-
 # ------------------------------------------------------------------------- CTranslate2
 
 
@@ -317,7 +347,8 @@ def ct2_model_dir(model_dir: Path, compute_type: str) -> Path:
     if not (out / "model.bin").is_file():
         tmp = out.with_name(out.name + ".tmp")
         ctranslate2.converters.TransformersConverter(str(model_dir)).convert(
-            str(tmp), quantization=compute_type, force=True)
+            str(tmp), quantization=compute_type, force=True
+        )
         tmp.replace(out)
     return out
 
@@ -327,15 +358,19 @@ class CT2Driver:
 
     name = "ct2"
 
-    def __init__(self, model_dir: Path, dtype: str, batch_size: int = 16,
-                 quantization: str | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: str, batch_size: int = 16, quantization: str | None = None
+    ) -> None:
         import ctranslate2
         from tokenizers import Tokenizer
 
         self.compute_type = ct2_compute_type(dtype, quantization)
         self.generator = ctranslate2.Generator(
-            str(ct2_model_dir(model_dir, self.compute_type)), device="cpu",
-            compute_type=self.compute_type, intra_threads=torch.get_num_threads())
+            str(ct2_model_dir(model_dir, self.compute_type)),
+            device="cpu",
+            compute_type=self.compute_type,
+            intra_threads=torch.get_num_threads(),
+        )
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
         self.batch_size = batch_size
@@ -355,9 +390,14 @@ class CT2Driver:
                 return False  # go on
 
             results = self.generator.generate_batch(
-                [[self.tokens[i] for i in p] for p in prompts], max_batch_size=self.batch_size,
-                max_length=n_new, min_length=n_new, include_prompt_in_result=False,
-                sampling_topk=1, callback=on_step)
+                [[self.tokens[i] for i in p] for p in prompts],
+                max_batch_size=self.batch_size,
+                max_length=n_new,
+                min_length=n_new,
+                include_prompt_in_result=False,
+                sampling_topk=1,
+                callback=on_step,
+            )
             times = [steps[k] for k in sorted(steps)]
             for p, n, r in zip(prompts, outs, results):
                 if len(r.sequences_ids[0]) < n:

@@ -46,18 +46,25 @@ def engine_environment(threads: int, wait_policy: str) -> dict[str, str]:
     return env
 
 
-def run_isolated(job: Job, env: dict[str, str], timeout_s: float = JOB_TIMEOUT_S
-                 ) -> dict[str, Any]:
+def run_isolated(job: Job, env: dict[str, str], timeout_s: float = JOB_TIMEOUT_S) -> dict[str, Any]:
     """Run ``job`` in a new worker process under ``env``; its summary, or ``{"error": ...}``."""
     with tempfile.TemporaryDirectory(prefix="nbengine-bench-") as tmp:
-        job_path, result_path, log_path = (Path(tmp) / n for n in ("job.json", "result.json",
-                                                                    "worker.log"))
+        job_path, result_path, log_path = (
+            Path(tmp) / n for n in ("job.json", "result.json", "worker.log")
+        )
         job_path.write_text(job_json(job))
         cmd = [sys.executable, "-m", "nbengine.bench.worker", str(job_path), str(result_path)]
         try:
             with open(log_path, "wb") as log:
-                done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                      stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+                done = subprocess.run(
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout_s,
+                    check=False,
+                )
         except subprocess.TimeoutExpired:
             return {"error": f"the worker took longer than {timeout_s:.0f} s"}
         if result_path.is_file():

@@ -9,8 +9,16 @@ from typing import Any
 
 from nbengine.bench.engines import RunResult
 
-__all__ = ["TARGETS", "format_report", "median_run", "percentile", "spread_warnings", "summarise",
-           "targets", "to_ms"]
+__all__ = [
+    "TARGETS",
+    "format_report",
+    "median_run",
+    "percentile",
+    "spread_warnings",
+    "summarise",
+    "targets",
+    "to_ms",
+]
 
 TARGETS = {
     "W1 nbengine / hf_cb output tok/s": 3.0,
@@ -69,14 +77,16 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rates = [r["output_tok_s"] for r in ok]
     chosen = dict(sorted(ok, key=lambda r: r["output_tok_s"])[len(ok) // 2])
     med = statistics.median(rates)
-    chosen.update({
-        "repeats": len(ok),
-        "output_tok_s_all": rates,
-        "output_tok_s_min": min(rates),
-        "output_tok_s_max": max(rates),
-        "output_tok_s_median": med,
-        "spread": (max(rates) - min(rates)) / med if med > 0 else 0.0,
-    })
+    chosen.update(
+        {
+            "repeats": len(ok),
+            "output_tok_s_all": rates,
+            "output_tok_s_min": min(rates),
+            "output_tok_s_max": max(rates),
+            "output_tok_s_median": med,
+            "spread": (max(rates) - min(rates)) / med if med > 0 else 0.0,
+        }
+    )
     return chosen
 
 
@@ -90,12 +100,14 @@ def spread_warnings(results: dict[str, dict[str, dict[str, Any]]], limit: float)
                     f"{w} {e}: repeats disagree by {100 * r['spread']:.0f}% "
                     f"({r['output_tok_s_min']:.1f}-{r['output_tok_s_max']:.1f} output tok/s, "
                     f"more than {100 * limit:.0f}%): the machine was not steady; do not "
-                    f"publish this figure")
+                    f"publish this figure"
+                )
     return out
 
 
 def targets(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Each target of ``TARGETS``: its value in ``results``, and whether it is met."""
+
     def get(w: str, e: str, k: str) -> float | None:
         v = results.get(w, {}).get(e, {}).get(k)
         return float(v) if isinstance(v, (int, float)) else None
@@ -111,11 +123,18 @@ def targets(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str
     nb = get("W1", "nbengine", "output_tok_s")
     ratio("W1 nbengine / hf_cb output tok/s", nb, get("W1", "hf_cb", "output_tok_s"))
     ratio("W1 nbengine / hf_static output tok/s", nb, get("W1", "hf_static", "output_tok_s"))
-    ratio("W2 nbengine fraction of the bandwidth bound",
-          get("W2", "nbengine", "decode_fraction_of_bound"), 1.0)
+    ratio(
+        "W2 nbengine fraction of the bandwidth bound",
+        get("W2", "nbengine", "decode_fraction_of_bound"),
+        1.0,
+    )
     ratio("W3 prefix-cache hit rate", get("W3", "nbengine", "prefix_cache_hit_rate"), 1.0)
-    ratio("W3 TTFT p50 caching on / off (at most)", get("W3", "nbengine", "ttft_p50_ms"),
-          get("W3", "nbengine_no_prefix_cache", "ttft_p50_ms"), at_most=True)
+    ratio(
+        "W3 TTFT p50 caching on / off (at most)",
+        get("W3", "nbengine", "ttft_p50_ms"),
+        get("W3", "nbengine_no_prefix_cache", "ttft_p50_ms"),
+        at_most=True,
+    )
     return out
 
 
@@ -181,31 +200,44 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{_of_bound(frac):>9}"
             )
             if "prefix_cache_hit_rate" in r and w == "W3":
-                lines.append(f"{'':<35}prefix-cache hit rate {100 * r['prefix_cache_hit_rate']:.0f}%")
-    lines.append("(out tok/s: the median repeat; min-max over the repeats; times in ms; 'of bound' "
-                 "= bound time / measured time, so 100% is the fastest this machine's measured "
-                 "bandwidth and FLOP/s allow; for W2 it is the bound decode step / ITL p50)")
-    if any(_of_bound(r.get("decode_fraction_of_bound", r.get("fraction_of_bound"))).endswith("!")
-           for per in report["results"].values() for r in per.values() if "error" not in r):
-        lines.append("(! over 100%: faster than the bound, so the bound is too low here: its "
-                     "bandwidth or FLOP/s reading was taken while the machine was busy, or the "
-                     "workload fits in caches (--quick); compare the engines with each other)")
+                lines.append(
+                    f"{'':<35}prefix-cache hit rate {100 * r['prefix_cache_hit_rate']:.0f}%"
+                )
+    lines.append(
+        "(out tok/s: the median repeat; min-max over the repeats; times in ms; 'of bound' "
+        "= bound time / measured time, so 100% is the fastest this machine's measured "
+        "bandwidth and FLOP/s allow; for W2 it is the bound decode step / ITL p50)"
+    )
+    if any(
+        _of_bound(r.get("decode_fraction_of_bound", r.get("fraction_of_bound"))).endswith("!")
+        for per in report["results"].values()
+        for r in per.values()
+        if "error" not in r
+    ):
+        lines.append(
+            "(! over 100%: faster than the bound, so the bound is too low here: its "
+            "bandwidth or FLOP/s reading was taken while the machine was busy, or the "
+            "workload fits in caches (--quick); compare the engines with each other)"
+        )
     a = report.get("abort") or {}
     if a:
         if "error" in a:
             lines.append(f"abort(): error: {a['error']}")
         else:
-            lines.append(f"abort() call-to-return with {a['num_running']} running: "
-                         f"p50 {_f(a['p50_ms'], '{:.2f}')} ms, p99 {_f(a['p99_ms'], '{:.2f}')} ms "
-                         f"({a['num_aborts']} aborts)")
+            lines.append(
+                f"abort() call-to-return with {a['num_running']} running: "
+                f"p50 {_f(a['p50_ms'], '{:.2f}')} ms, p99 {_f(a['p99_ms'], '{:.2f}')} ms "
+                f"({a['num_aborts']} aborts)"
+            )
     for e, msg in report.get("engine_errors", {}).items():
         lines.append(f"{e} did not run: {msg}")
     lines.append("")
     lines.append("targets:")
     for name, t in report["targets"].items():
         verdict = {True: "PASS", False: "MISS", None: "n/a"}[t["pass"]]
-        lines.append(f"  {name:<46} {_f(t['value'], '{:.2f}'):>7}  (target {t['target']})  "
-                     f"{verdict}")
+        lines.append(
+            f"  {name:<46} {_f(t['value'], '{:.2f}'):>7}  (target {t['target']})  {verdict}"
+        )
     warnings = report.get("warnings") or []
     if warnings:
         lines.append("")

@@ -42,8 +42,9 @@ __all__ = ["run_bench"]
 Log = Callable[[str], None]
 
 
-def run_bench(config: BenchConfig | None = None, log: Log | None = None, **overrides: Any
-              ) -> dict[str, Any]:
+def run_bench(
+    config: BenchConfig | None = None, log: Log | None = None, **overrides: Any
+) -> dict[str, Any]:
     """Run the benchmark and return the report (a JSON-able dict; see ``format_report``).
 
     ``overrides`` replace fields of ``config`` (default ``BenchConfig()``), so
@@ -67,12 +68,14 @@ class _Run:
         self.cfg = cfg
         self.say = say
         self.t_start = time.time()
-        self.path = Path(cfg.model_dir) if cfg.model_dir is not None else bench_model_dir(
-            cfg.cache_dir)
+        self.path = (
+            Path(cfg.model_dir) if cfg.model_dir is not None else bench_model_dir(cfg.cache_dir)
+        )
         self.hf_cfg: dict[str, Any] = json.loads((self.path / "config.json").read_text())
         self.tdtype: torch.dtype = getattr(torch, cfg.dtype)
         self.shape = ModelShape.from_config(
-            self.hf_cfg, torch.empty((), dtype=self.tdtype).element_size())
+            self.hf_cfg, torch.empty((), dtype=self.tdtype).element_size()
+        )
         if cfg.quantization is not None:
             from nbengine.ops.quant import bytes_per_weight
 
@@ -81,10 +84,13 @@ class _Run:
         ekw = {"max_num_seqs": 64, "max_num_batched_tokens": 512, **cfg.engine_kwargs}
         if cfg.quantization is not None:
             ekw["quantization"] = cfg.quantization
-        max_len = max(len(p) + o for w in self.wls.values()
-                      for p, o in zip(w.prompts, w.output_lens))
-        ekw.setdefault("max_model_len", min(int(self.hf_cfg.get("max_position_embeddings", 2048)),
-                                            max(max_len, 64)))
+        max_len = max(
+            len(p) + o for w in self.wls.values() for p, o in zip(w.prompts, w.output_lens)
+        )
+        ekw.setdefault(
+            "max_model_len",
+            min(int(self.hf_cfg.get("max_position_embeddings", 2048)), max(max_len, 64)),
+        )
         self.ekw: dict[str, Any] = ekw
         self.threads = cfg.threads or physical_cores()
         self.env = engine_environment(self.threads, cfg.omp_wait_policy)
@@ -106,20 +112,39 @@ class _Run:
         cfg = self.cfg
         return {
             "config": {
-                "model_dir": str(self.path), "dtype": cfg.dtype,
-                "quantization": cfg.quantization, "scale": cfg.scale,
-                "repeats": cfg.repeats, "seed": cfg.seed, "workloads": list(cfg.workloads),
-                "engines": list(cfg.engines), "engine_kwargs": self.ekw,
-                "static_batch_size": cfg.static_batch_size, "threads": self.threads,
-                "omp_wait_policy": cfg.omp_wait_policy, "max_spread": cfg.max_spread,
-                "model": {k: self.hf_cfg.get(k) for k in (
-                    "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "intermediate_size", "vocab_size",
-                    "tie_word_embeddings")},
-                "workload_sizes": {w: {"requests": len(wl.prompts),
-                                       "prompt_tokens": wl.num_prompt_tokens,
-                                       "output_tokens": wl.num_output_tokens}
-                                   for w, wl in self.wls.items()},
+                "model_dir": str(self.path),
+                "dtype": cfg.dtype,
+                "quantization": cfg.quantization,
+                "scale": cfg.scale,
+                "repeats": cfg.repeats,
+                "seed": cfg.seed,
+                "workloads": list(cfg.workloads),
+                "engines": list(cfg.engines),
+                "engine_kwargs": self.ekw,
+                "static_batch_size": cfg.static_batch_size,
+                "threads": self.threads,
+                "omp_wait_policy": cfg.omp_wait_policy,
+                "max_spread": cfg.max_spread,
+                "model": {
+                    k: self.hf_cfg.get(k)
+                    for k in (
+                        "hidden_size",
+                        "num_hidden_layers",
+                        "num_attention_heads",
+                        "num_key_value_heads",
+                        "intermediate_size",
+                        "vocab_size",
+                        "tie_word_embeddings",
+                    )
+                },
+                "workload_sizes": {
+                    w: {
+                        "requests": len(wl.prompts),
+                        "prompt_tokens": wl.num_prompt_tokens,
+                        "output_tokens": wl.num_output_tokens,
+                    }
+                    for w, wl in self.wls.items()
+                },
             },
             "machine": machine,
             "results": results,
@@ -163,20 +188,43 @@ class _Run:
         bw, flops = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
         bw_end = measure_bandwidth(512 if large else 128)
         flops_end = measure_matmul_flops(self.tdtype, 1536 if large else 512)
-        machine.update({"bandwidth_gb_s_start": bw / 1e9, "bandwidth_gb_s_end": bw_end / 1e9,
-                        "matmul_gflop_s_start": flops / 1e9,
-                        "matmul_gflop_s_end": flops_end / 1e9,
-                        "bandwidth_gb_s": max(bw, bw_end) / 1e9,
-                        "matmul_gflop_s": max(flops, flops_end) / 1e9})
+        machine.update(
+            {
+                "bandwidth_gb_s_start": bw / 1e9,
+                "bandwidth_gb_s_end": bw_end / 1e9,
+                "matmul_gflop_s_start": flops / 1e9,
+                "matmul_gflop_s_end": flops_end / 1e9,
+                "bandwidth_gb_s": max(bw, bw_end) / 1e9,
+                "matmul_gflop_s": max(flops, flops_end) / 1e9,
+            }
+        )
 
-    def _job(self, kind: str, engine: str, label: str, workload: str,
-             overrides: dict[str, Any] | None = None, **extra: Any) -> Job:
+    def _job(
+        self,
+        kind: str,
+        engine: str,
+        label: str,
+        workload: str,
+        overrides: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> Job:
         cfg = self.cfg
-        return Job(kind=kind, engine=engine, label=label, workload=workload,
-                   model_dir=str(self.path), dtype=cfg.dtype, threads=self.threads,
-                   scale=cfg.scale, seed=cfg.seed, vocab=self.shape.vocab,
-                   engine_kwargs=self.ekw, static_batch_size=cfg.static_batch_size,
-                   overrides=overrides or {}, **extra)
+        return Job(
+            kind=kind,
+            engine=engine,
+            label=label,
+            workload=workload,
+            model_dir=str(self.path),
+            dtype=cfg.dtype,
+            threads=self.threads,
+            scale=cfg.scale,
+            seed=cfg.seed,
+            vocab=self.shape.vocab,
+            engine_kwargs=self.ekw,
+            static_batch_size=cfg.static_batch_size,
+            overrides=overrides or {},
+            **extra,
+        )
 
     def _run_job(self, job: Job) -> dict[str, Any]:
         res = run_isolated(job, self.env)
@@ -193,24 +241,32 @@ class _Run:
         order = list(cfg.engines)
         for rep in range(cfg.repeats):
             for w in cfg.workloads:
-                rot = order[rep % len(order):] + order[: rep % len(order)]
+                rot = order[rep % len(order) :] + order[: rep % len(order)]
                 for name in rot:
                     jobs = [self._job("run", name, name, w)]
                     if name == "nbengine" and w == "W3":
-                        jobs.append(self._job("run", name, "nbengine_no_prefix_cache", w,
-                                              {"enable_prefix_caching": False}))
+                        jobs.append(
+                            self._job(
+                                "run",
+                                name,
+                                "nbengine_no_prefix_cache",
+                                w,
+                                {"enable_prefix_caching": False},
+                            )
+                        )
                     for job in jobs:
                         if name in self.errors:
                             continue
-                        self.say(f"[{rep + 1}/{cfg.repeats}] {w} {job.label} "
-                                 f"(load {_load()}) ...")
+                        self.say(f"[{rep + 1}/{cfg.repeats}] {w} {job.label} (load {_load()}) ...")
                         res = self._run_job(job)
                         raw[w].setdefault(job.label, []).append(res)
                         if "error" in res:
                             self.say(f"  {name} cannot run here: {res['error']}")
                         else:
-                            self.say(f"  {res['output_tok_s']:.1f} output tok/s, "
-                                     f"wall {res['wall_s']:.1f} s")
+                            self.say(
+                                f"  {res['output_tok_s']:.1f} output tok/s, "
+                                f"wall {res['wall_s']:.1f} s"
+                            )
         return {w: {e: median_run(rs) for e, rs in per.items()} for w, per in raw.items()}
 
     def _common_process_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -222,8 +278,9 @@ class _Run:
                 states.append(p)
         return (states[0] if states else {}), (states if len(states) > 1 else [])
 
-    def _bounds(self, results: dict[str, dict[str, dict[str, Any]]], machine: dict[str, Any]
-                ) -> dict[str, Any]:
+    def _bounds(
+        self, results: dict[str, dict[str, dict[str, Any]]], machine: dict[str, Any]
+    ) -> dict[str, Any]:
         bw, flops = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
         bounds: dict[str, Any] = {}
         for w, wl in self.wls.items():
@@ -233,8 +290,15 @@ class _Run:
                 bs = self.ekw.get("block_size", 16)
                 hit = (wl.shared_prefix // bs) * bs
                 cached = [0] + [hit] * (len(plens) - 1)
-            b = workload_bound(self.shape, plens, wl.output_lens, bw, flops, cached,
-                               self.ekw["max_num_batched_tokens"])
+            b = workload_bound(
+                self.shape,
+                plens,
+                wl.output_lens,
+                bw,
+                flops,
+                cached,
+                self.ekw["max_num_batched_tokens"],
+            )
             entry: dict[str, Any] = {
                 "seconds": b.seconds,
                 "prefill_seconds": b.prefill_seconds,
@@ -255,14 +319,26 @@ class _Run:
         return bounds
 
     def _abort_latency(self) -> dict[str, Any]:
-        if not (self.cfg.abort_latency and "nbengine" in self.cfg.engines
-                and "nbengine" not in self.errors and "W1" in self.wls):
+        if not (
+            self.cfg.abort_latency
+            and "nbengine" in self.cfg.engines
+            and "nbengine" not in self.errors
+            and "W1" in self.wls
+        ):
             return {}
         n_run = scaled(32, self.cfg.scale, 2)
         self.say(f"abort latency with {n_run} running ...")
-        res = run_isolated(self._job("abort", "nbengine", "abort", "W1",
-                                     abort_running=n_run, abort_count=max(1, n_run // 2)),
-                           self.env)
+        res = run_isolated(
+            self._job(
+                "abort",
+                "nbengine",
+                "abort",
+                "W1",
+                abort_running=n_run,
+                abort_count=max(1, n_run // 2),
+            ),
+            self.env,
+        )
         if "process" in res:
             self.processes.append(res["process"])
             res["pid"] = res.pop("process")["pid"]

@@ -20,8 +20,14 @@ from typing import Any
 import nbengine as nb
 
 _ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
-_TINY: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=4096)
+_TINY: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 
 
 def _burst(engine: nb.Engine, n: int, max_tokens: int) -> dict[str, float]:
@@ -35,8 +41,9 @@ def _burst(engine: nb.Engine, n: int, max_tokens: int) -> dict[str, float]:
 
 def _stream_overhead(engine: nb.Engine, tokens: int) -> dict[str, float]:
     """Mean frontend gap between tokens of one request vs the core's mean step time."""
-    params = nb.SamplingParams(max_tokens=tokens, ignore_eos=True,
-                               output_kind=nb.RequestOutputKind.DELTA)
+    params = nb.SamplingParams(
+        max_tokens=tokens, ignore_eos=True, output_kind=nb.RequestOutputKind.DELTA
+    )
     steps_before = len(engine.step_stats())
     arrivals: list[float] = []
     for out in engine.generate("A single streamed request", params):
@@ -51,8 +58,11 @@ def _stream_overhead(engine: nb.Engine, tokens: int) -> dict[str, float]:
 def _abort_round_trip(engine: nb.Engine, repeats: int = 10) -> float:
     times = []
     for i in range(repeats):
-        h = engine.generate("Abort me", nb.SamplingParams(max_tokens=100_000, ignore_eos=True),
-                            request_id=f"abort-{i}")
+        h = engine.generate(
+            "Abort me",
+            nb.SamplingParams(max_tokens=100_000, ignore_eos=True),
+            request_id=f"abort-{i}",
+        )
         while not h.token_ids:
             time.sleep(0.001)
         t0 = time.perf_counter()
@@ -86,8 +96,10 @@ def run(model: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
         ("inproc", {}),
         ("ray x1", {"backend": "ray", "data_parallel_size": 1}),
         ("ray x2", {"backend": "ray", "data_parallel_size": 2}),
-        ("ray x2 least_loaded", {"backend": "ray", "data_parallel_size": 2,
-                                 "routing": "least_loaded"}),
+        (
+            "ray x2 least_loaded",
+            {"backend": "ray", "data_parallel_size": 2, "routing": "least_loaded"},
+        ),
     ]
     for name, kw in setups:
         t0 = time.perf_counter()

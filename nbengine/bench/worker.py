@@ -25,8 +25,15 @@ __all__ = ["Job", "main", "run_job"]
 
 # What the worker reports about its own process, so the report shows that every engine
 # ran under the same settings.
-_ENV_KEYS = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PROC_BIND",
-             "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "NBENGINE_NATIVE")
+_ENV_KEYS = (
+    "OMP_WAIT_POLICY",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OMP_PROC_BIND",
+    "GOMP_SPINCOUNT",
+    "KMP_BLOCKTIME",
+    "NBENGINE_NATIVE",
+)
 
 
 @dataclass(slots=True)
@@ -66,13 +73,18 @@ def _driver(job: Job) -> Any:
     if job.engine == "hf_static":
         return HFStaticDriver(path, job.dtype, job.static_batch_size)
     if job.engine == "hf_cb":
-        return HFContinuousDriver(path, job.dtype, job.engine_kwargs["max_num_batched_tokens"],
-                                  job.engine_kwargs["max_num_seqs"])
+        return HFContinuousDriver(
+            path,
+            job.dtype,
+            job.engine_kwargs["max_num_batched_tokens"],
+            job.engine_kwargs["max_num_seqs"],
+        )
     if job.engine == "ct2":
         from nbengine.bench.engines import CT2Driver
 
-        return CT2Driver(path, job.dtype, job.static_batch_size,
-                         job.engine_kwargs.get("quantization"))
+        return CT2Driver(
+            path, job.dtype, job.static_batch_size, job.engine_kwargs.get("quantization")
+        )
     raise ValueError(f"unknown engine {job.engine!r}")
 
 
@@ -86,8 +98,12 @@ def _warmup(wl: Any) -> Any:
     from nbengine.bench.workloads import Workload
 
     n = min(8, len(wl.prompts))
-    return Workload(f"{wl.name}-warmup", wl.prompts[:n], [min(8, o) for o in wl.output_lens[:n]],
-                    wl.shared_prefix)
+    return Workload(
+        f"{wl.name}-warmup",
+        wl.prompts[:n],
+        [min(8, o) for o in wl.output_lens[:n]],
+        wl.shared_prefix,
+    )
 
 
 def _process_state() -> dict[str, Any]:
@@ -121,8 +137,14 @@ def run_job(job: Job) -> dict[str, Any]:
     out["load_average_before"] = list(os.getloadavg())
     if job.kind == "abort":
         lat = driver.abort_latency(wl.prompts, job.abort_running, job.abort_count)
-        out.update({"num_running": job.abort_running, "num_aborts": len(lat),
-                    "p50_ms": to_ms(percentile(lat, 50)), "p99_ms": to_ms(percentile(lat, 99))})
+        out.update(
+            {
+                "num_running": job.abort_running,
+                "num_aborts": len(lat),
+                "p50_ms": to_ms(percentile(lat, 50)),
+                "p99_ms": to_ms(percentile(lat, 99)),
+            }
+        )
     else:
         out.update(summarise(driver.run(wl, **job.overrides)))
     out["load_average_after"] = list(os.getloadavg())

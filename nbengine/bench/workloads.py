@@ -21,8 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALL_WORKLOADS", "SMOLLM2_135M", "Workload", "bench_model_dir", "make_workloads",
-           "scaled"]
+__all__ = [
+    "ALL_WORKLOADS",
+    "SMOLLM2_135M",
+    "Workload",
+    "bench_model_dir",
+    "make_workloads",
+    "scaled",
+]
 
 ALL_WORKLOADS = ("W1", "W2", "W3")
 
@@ -67,9 +73,11 @@ def bench_model_dir(cache_dir: str | Path | None = None, **config: Any) -> Path:
 
     cfg = {**SMOLLM2_135M, **config}
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(cache_dir) if cache_dir is not None else Path(
-        os.environ.get("NBENGINE_CACHE", Path.home() / ".cache" / "nbengine")
-    ) / "bench"
+    root = (
+        Path(cache_dir)
+        if cache_dir is not None
+        else Path(os.environ.get("NBENGINE_CACHE", Path.home() / ".cache" / "nbengine")) / "bench"
+    )
     path = root / f"llama-random-{key}"
     if not (path / ".complete").is_file():
         make_tiny_model(path, arch="llama", seed=0, weight_std=0.02, **cfg)
@@ -82,8 +90,9 @@ def scaled(n: int, scale: float, lo: int) -> int:
     return max(lo, round(n * scale))
 
 
-def make_workloads(names: Sequence[str], vocab: int, scale: float = 1.0, seed: int = 0
-                   ) -> dict[str, Workload]:
+def make_workloads(
+    names: Sequence[str], vocab: int, scale: float = 1.0, seed: int = 0
+) -> dict[str, Workload]:
     """Deterministic workloads: the same ``(names, vocab, scale, seed)`` give the same token ids."""
     out: dict[str, Workload] = {}
     hi_id = vocab - 1

@@ -60,7 +60,10 @@ class CoreClient(ABC):
 
     @abstractmethod
     def start(
-        self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn,
+        self,
+        emit: EmitFn,
+        on_exit: ExitFn,
+        fail_keys: FailKeysFn,
         on_routed: RoutedFn | None = None,
     ) -> None:
         """Start serving; batches go to ``emit`` (called from client threads).
@@ -93,7 +96,9 @@ class CoreClient(ABC):
     def describe(self) -> list[dict[str, Any]]:
         """Health of each core (replica): one dict per replica."""
 
-    def run_utility(self, fn: Callable[[EngineCore], Any], replica: int | None = None) -> Future[Any]:
+    def run_utility(
+        self, fn: Callable[[EngineCore], Any], replica: int | None = None
+    ) -> Future[Any]:
         """Run ``fn(core)`` on a core between steps; its result on the returned future."""
         fut: Future[Any] = Future()
         self.send(EngineCoreMessage(MessageType.UTILITY, fn, fut))
@@ -128,7 +133,10 @@ class InprocCoreClient(CoreClient):
         self._free_on_exit = False
 
     def start(
-        self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn,
+        self,
+        emit: EmitFn,
+        on_exit: ExitFn,
+        fail_keys: FailKeysFn,
         on_routed: RoutedFn | None = None,
     ) -> None:
         self.thread = threading.Thread(
@@ -181,14 +189,16 @@ class InprocCoreClient(CoreClient):
 
     def describe(self) -> list[dict[str, Any]]:
         core = self.core
-        return [{
-            "replica": 0,
-            "backend": "inproc",
-            "alive": self.is_alive(),
-            "unfinished": core.num_unfinished_requests() if self.is_alive() else 0,
-            "steps": core.step_count,
-            "error": None,
-        }]
+        return [
+            {
+                "replica": 0,
+                "backend": "inproc",
+                "alive": self.is_alive(),
+                "unfinished": core.num_unfinished_requests() if self.is_alive() else 0,
+                "steps": core.step_count,
+                "error": None,
+            }
+        ]
 
 
 def _core_thread_main(
@@ -227,7 +237,9 @@ def make_core_client(
         return InprocCoreClient(config, runner)
     if backend == "ray":
         if runner is not None:
-            raise ValueError("backend='ray' builds its runners in the replicas; _runner is inproc only.")
+            raise ValueError(
+                "backend='ray' builds its runners in the replicas; _runner is inproc only."
+            )
         from nbengine.distributed.ray_client import RayCoreClient
 
         return RayCoreClient(config, **options)

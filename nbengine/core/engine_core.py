@@ -77,8 +77,9 @@ class EngineCore:
         self.max_model_len = max_model_len
         # Runners of models whose every layer is windowed name the window (model/runner.py).
         window = getattr(runner, "kv_sliding_window", None)
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.block_size, max_model_len,
-                                   sliding_window=window)
+        self.scheduler = Scheduler(
+            config, runner.num_kv_blocks, runner.block_size, max_model_len, sliding_window=window
+        )
         self.step_count = 0
         self._pending_msgs: deque[EngineCoreMessage] = deque()
         self._mid_step_queue: queue.Queue[EngineCoreMessage] | None = None
@@ -268,8 +269,11 @@ class EngineCore:
             out.finish_reason = FinishReason.ERROR
             out.status = RequestStatus.FINISHED_ERROR
         try:
-            emit(EngineCoreOutputs(outputs=outputs, finished=finished, events=events,
-                                   engine_error=message))
+            emit(
+                EngineCoreOutputs(
+                    outputs=outputs, finished=finished, events=events, engine_error=message
+                )
+            )
         except Exception:
             logger.exception("could not report the engine core failure")
 

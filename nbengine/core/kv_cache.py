@@ -144,8 +144,13 @@ class KVCacheManager:
     - Only blocks whose K/V has actually been computed are registered in the cache.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
         if sliding_window is not None and sliding_window < 1:

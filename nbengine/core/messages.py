@@ -122,4 +122,3 @@ class EngineCoreOutputs:
     step: StepStats | None = None
     # Set once, when the core dies: every live request must fail with this message.
     engine_error: str | None = None
-

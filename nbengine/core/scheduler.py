@@ -63,7 +63,9 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(
-            num_kv_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
+            num_kv_blocks,
+            block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
             sliding_window=sliding_window,
         )
         # A single request can never hold more tokens than the whole pool.
@@ -113,8 +115,13 @@ class Scheduler:
         self._pending = _Removals()
         return p.outputs, p.finished, p.events
 
-    def _remove(self, request: Request, status: RequestStatus, error: str | None = None,
-                output: EngineCoreOutput | None = None) -> None:
+    def _remove(
+        self,
+        request: Request,
+        status: RequestStatus,
+        error: str | None = None,
+        output: EngineCoreOutput | None = None,
+    ) -> None:
         """Finish ``request`` with ``status``: free it and queue its one removal report."""
         rid = request.request_id
         if request in self.running:
@@ -141,7 +148,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request (WAITING), or finish it IGNORED if it can never fit."""
         if request.request_id in self.requests:
-            raise ValueError(f"Request id {request.request_id!r} is already held by the engine core.")
+            raise ValueError(
+                f"Request id {request.request_id!r} is already held by the engine core."
+            )
         self.requests[request.request_id] = request
         self._set_status(request, RequestStatus.WAITING)
         reason = self._why_never_fits(request)
@@ -154,19 +163,28 @@ class Scheduler:
     def _why_never_fits(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
         if n > self.max_model_len:
-            return (f"prompt is {n} tokens long, longer than the maximum model length "
-                    f"max_model_len={self.max_model_len}")
+            return (
+                f"prompt is {n} tokens long, longer than the maximum model length "
+                f"max_model_len={self.max_model_len}"
+            )
         need = self.kv.blocks_needed(n)
         if need > self.kv.num_blocks:
-            return (f"prompt of {n} tokens needs {need} KV blocks but the cache has only "
-                    f"{self.kv.num_blocks} blocks of {self.block_size} tokens")
+            return (
+                f"prompt of {n} tokens needs {need} KV blocks but the cache has only "
+                f"{self.kv.num_blocks} blocks of {self.block_size} tokens"
+            )
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            return (f"prompt of {n} tokens exceeds max_num_batched_tokens="
-                    f"{self.max_num_batched_tokens} and chunked prefill is disabled")
+            return (
+                f"prompt of {n} tokens exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} and chunked prefill is disabled"
+            )
         return None
 
-    def finish_requests(self, request_ids: str | Iterable[str],
-                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> int:
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> int:
         """Remove held requests with a terminal ``status``; unknown keys are ignored.
 
         Returns how many requests were removed.
@@ -184,11 +202,15 @@ class Scheduler:
 
     def report_rejected(self, request_id: str, error: str) -> None:
         """Report an ADD that was refused (never held) as FINISHED_ERROR."""
-        self._pending.outputs.append(EngineCoreOutput(
-            request_id, [], finish_reason=RequestStatus.get_finish_reason(
-                RequestStatus.FINISHED_ERROR),
-            status=RequestStatus.FINISHED_ERROR, error=error,
-        ))
+        self._pending.outputs.append(
+            EngineCoreOutput(
+                request_id,
+                [],
+                finish_reason=RequestStatus.get_finish_reason(RequestStatus.FINISHED_ERROR),
+                status=RequestStatus.FINISHED_ERROR,
+                error=error,
+            )
+        )
         self._pending.finished.add(request_id)
 
     def fail_all(self, error: str) -> None:
@@ -256,8 +278,11 @@ class Scheduler:
                 request = self.waiting[0]
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
-                if (not self.enable_chunked_prefill and num_new > budget
-                        and num_new <= self.max_num_batched_tokens):
+                if (
+                    not self.enable_chunked_prefill
+                    and num_new > budget
+                    and num_new <= self.max_num_batched_tokens
+                ):
                     break  # admitted only whole (a longer recompute is chunked anyway)
                 num_new = min(num_new, budget)
                 if not self.kv.allocate_slots(request, num_new, hit_blocks):
@@ -327,8 +352,9 @@ class Scheduler:
                 request.append_output_token(sampled.token_id)
                 if request.grammar is not None and not request.grammar.accept(sampled.token_id):
                     # Only a logits processor that unmasks tokens can get here.
-                    request.error = (f"structured outputs: the grammar rejected token "
-                                     f"{sampled.token_id}")
+                    request.error = (
+                        f"structured outputs: the grammar rejected token {sampled.token_id}"
+                    )
                 out.new_token_ids.append(sampled.token_id)
                 if sampled.logprobs is not None:
                     out.new_logprobs = [sampled.logprobs]
@@ -353,7 +379,7 @@ class Scheduler:
         sent = self._prompt_lp_sent.get(request.request_id, 0)
         if last < sent:
             return None
-        new = lps[max(0, sent - first):]
+        new = lps[max(0, sent - first) :]
         self._prompt_lp_sent[request.request_id] = last + 1
         return new or None
 

@@ -49,15 +49,19 @@ _LIST_HEIGHT = "420px"
 def _stats_html(tokens: int, rate: float | None, finish: str | None) -> str:
     rate_s = "–" if rate is None else f"{rate:.1f}"
     finish_s = "…" if finish is None else html.escape(finish)
-    return (f'<span style="font-family:monospace;font-size:11px;color:#666">'
-            f'<span class="nbengine-chat-tokens">{tokens}</span> tokens · '
-            f'<span class="nbengine-chat-rate">{rate_s}</span> tok/s · finish: '
-            f'<span class="nbengine-chat-finish">{finish_s}</span></span>')
+    return (
+        f'<span style="font-family:monospace;font-size:11px;color:#666">'
+        f'<span class="nbengine-chat-tokens">{tokens}</span> tokens · '
+        f'<span class="nbengine-chat-rate">{rate_s}</span> tok/s · finish: '
+        f'<span class="nbengine-chat-finish">{finish_s}</span></span>'
+    )
 
 
 def _user_html(text: str) -> str:
-    return ('<div style="white-space:pre-wrap;background:#eef3fb;border-radius:6px;'
-            f'padding:4px 8px"><b>you</b><br>{html.escape(text)}</div>')
+    return (
+        '<div style="white-space:pre-wrap;background:#eef3fb;border-radius:6px;'
+        f'padding:4px 8px"><b>you</b><br>{html.escape(text)}</div>'
+    )
 
 
 class _Reply:
@@ -108,51 +112,83 @@ class ChatPanel(widgets.VBox):
         self._updater = UIUpdater(name="nbengine-chat-ui", alive=lambda: engine.is_alive)
         self.lock = self._updater.lock
 
-        self.system = widgets.Textarea(value=system_prompt, placeholder="System prompt",
-                                       description="system", rows=2,
-                                       layout=widgets.Layout(width="100%"))
+        self.system = widgets.Textarea(
+            value=system_prompt,
+            placeholder="System prompt",
+            description="system",
+            rows=2,
+            layout=widgets.Layout(width="100%"),
+        )
         self.system.add_class("nbengine-chat-system")
-        self.temperature = widgets.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05,
-                                               description="temperature",
-                                               style={"description_width": "initial"})
-        self.max_tokens = widgets.BoundedIntText(value=max_tokens, min=1, max=1_000_000,
-                                                 description="max tokens",
-                                                 layout=widgets.Layout(width="220px"))
+        self.temperature = widgets.FloatSlider(
+            value=temperature,
+            min=0.0,
+            max=2.0,
+            step=0.05,
+            description="temperature",
+            style={"description_width": "initial"},
+        )
+        self.max_tokens = widgets.BoundedIntText(
+            value=max_tokens,
+            min=1,
+            max=1_000_000,
+            description="max tokens",
+            layout=widgets.Layout(width="220px"),
+        )
         self.max_tokens.add_class("nbengine-chat-max-tokens")
         self.history = widgets.VBox([])
         self.history.add_class("nbengine-chat-log")
         # column-reverse: the browser keeps a scroll box laid out this way anchored at
         # its bottom while the content grows, so the list follows its newest message.
-        self.scroller = widgets.Box([self.history], layout=widgets.Layout(
-            display="flex", flex_flow="column-reverse", overflow_y="auto",
-            max_height=_LIST_HEIGHT, border="1px solid #ddd", padding="4px"))
+        self.scroller = widgets.Box(
+            [self.history],
+            layout=widgets.Layout(
+                display="flex",
+                flex_flow="column-reverse",
+                overflow_y="auto",
+                max_height=_LIST_HEIGHT,
+                border="1px solid #ddd",
+                padding="4px",
+            ),
+        )
         self.scroller.add_class("nbengine-chat-list")
         # continuous_update=False: the text reaches the kernel once, when the box loses
         # focus, which pressing Send does before its click. Per-keystroke updates are
         # throttled by the front end, and a click could overtake the last of them: a
         # fast typist's message arrived cut short on a loaded machine.
-        self.input = widgets.Textarea(placeholder="Message", rows=2, continuous_update=False,
-                                      layout=widgets.Layout(width="100%"))
+        self.input = widgets.Textarea(
+            placeholder="Message",
+            rows=2,
+            continuous_update=False,
+            layout=widgets.Layout(width="100%"),
+        )
         self.input.add_class("nbengine-chat-input")
-        self.send_button = widgets.Button(description="Send", icon="paper-plane",
-                                          button_style="primary")
+        self.send_button = widgets.Button(
+            description="Send", icon="paper-plane", button_style="primary"
+        )
         self.send_button.add_class("nbengine-chat-send")
-        self.stop_button = widgets.Button(description="Stop", icon="stop",
-                                          button_style="danger", disabled=True)
+        self.stop_button = widgets.Button(
+            description="Stop", icon="stop", button_style="danger", disabled=True
+        )
         self.stop_button.add_class("nbengine-chat-stop")
-        self.regenerate_button = widgets.Button(description="Regenerate", icon="refresh",
-                                                disabled=True)
+        self.regenerate_button = widgets.Button(
+            description="Regenerate", icon="refresh", disabled=True
+        )
         self.regenerate_button.add_class("nbengine-chat-regenerate")
         self.status = widgets.HTML("")
         self.status.add_class("nbengine-chat-status")
-        super().__init__([
-            self.system,
-            widgets.HBox([self.temperature, self.max_tokens]),
-            self.scroller,
-            self.input,
-            widgets.HBox([self.send_button, self.stop_button, self.regenerate_button,
-                          self.status], layout=widgets.Layout(align_items="center")),
-        ])
+        super().__init__(
+            [
+                self.system,
+                widgets.HBox([self.temperature, self.max_tokens]),
+                self.scroller,
+                self.input,
+                widgets.HBox(
+                    [self.send_button, self.stop_button, self.regenerate_button, self.status],
+                    layout=widgets.Layout(align_items="center"),
+                ),
+            ]
+        )
         self.add_class("nbengine-chat")
         self.send_button.on_click(lambda _b: self._on_send())
         self.stop_button.on_click(lambda _b: self.stop())
@@ -167,8 +203,11 @@ class ChatPanel(widgets.VBox):
         """The conversation so far, a new list: the system prompt (when set), then every
         user message and every finished reply (a stopped one with the text it had)."""
         with self.lock:
-            head = ([{"role": "system", "content": self.system.value}]
-                    if self.system.value.strip() else [])
+            head = (
+                [{"role": "system", "content": self.system.value}]
+                if self.system.value.strip()
+                else []
+            )
             return head + [dict(m) for m in self._turns]
 
     @property
@@ -269,8 +308,11 @@ class ChatPanel(widgets.VBox):
             fn()
         except Exception as exc:
             with self.lock:
-                self._set(self.status, "value",
-                          f'<span style="color:#c62828">{html.escape(str(exc))}</span>')
+                self._set(
+                    self.status,
+                    "value",
+                    f'<span style="color:#c62828">{html.escape(str(exc))}</span>',
+                )
 
     def _on_send(self) -> None:
         if self.input.value.strip():
@@ -278,22 +320,29 @@ class ChatPanel(widgets.VBox):
 
     def _params(self) -> SamplingParams:
         # FINAL_ONLY: the panel reads the live text (handle.snapshot), not the stream.
-        return self._base.replace(temperature=float(self.temperature.value),
-                                  max_tokens=int(self.max_tokens.value), n=1,
-                                  output_kind=RequestOutputKind.FINAL_ONLY)
+        return self._base.replace(
+            temperature=float(self.temperature.value),
+            max_tokens=int(self.max_tokens.value),
+            n=1,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
 
     def _start_reply(self) -> RequestHandle:
         """Caller holds the lock: start the reply to the conversation so far."""
         params = self._params()
         rid = f"chat:{next(_ids)}-{uuid.uuid4().hex[:6]}"
-        handle = self.engine.chat(self.messages, params, request_id=rid,
-                                  chat_template=self.chat_template)
+        handle = self.engine.chat(
+            self.messages, params, request_id=rid, chat_template=self.chat_template
+        )
         self.handle = handle
         reply = _Reply()
         self._reply = reply
         self.history.children = (*self.history.children, reply.box)
-        for button, disabled in ((self.send_button, True), (self.stop_button, False),
-                                 (self.regenerate_button, True)):
+        for button, disabled in (
+            (self.send_button, True),
+            (self.stop_button, False),
+            (self.regenerate_button, True),
+        ):
             self._set(button, "disabled", disabled)
         self._set(self.status, "value", "replying…")
         self._updater.add(_ReplyView(handle, reply, self._set, self._finish))
@@ -321,19 +370,29 @@ class ChatPanel(widgets.VBox):
             return
         self._turns.append({"role": "assistant", "content": text})
         self._recorded = handle
-        for button, disabled in ((self.send_button, False), (self.stop_button, True),
-                                 (self.regenerate_button, False)):
+        for button, disabled in (
+            (self.send_button, False),
+            (self.stop_button, True),
+            (self.regenerate_button, False),
+        ):
             self._set(button, "disabled", disabled)
-        self._set(self.status, "value", "" if finish != "error" else
-                  '<span style="color:#c62828">the reply failed</span>')
+        self._set(
+            self.status,
+            "value",
+            "" if finish != "error" else '<span style="color:#c62828">the reply failed</span>',
+        )
 
 
 class _ReplyView:
     """Keeps one reply's text and stats up to date; refreshed by the panel's updater."""
 
-    def __init__(self, handle: RequestHandle, reply: _Reply,
-                 set_trait: Callable[[widgets.Widget, str, Any], None],
-                 finish: Callable[[RequestHandle, str, str | None], None]) -> None:
+    def __init__(
+        self,
+        handle: RequestHandle,
+        reply: _Reply,
+        set_trait: Callable[[widgets.Widget, str, Any], None],
+        finish: Callable[[RequestHandle, str, str | None], None],
+    ) -> None:
         # The panel's own trait writer and end-of-reply step (it passes bound methods).
         self.set_trait = set_trait
         self.finish = finish
@@ -344,8 +403,11 @@ class _ReplyView:
         snap = self.handle.snapshot()
         n = int(snap["num_output_tokens"])
         first, last = snap["first_token_time"], snap["last_token_time"]
-        rate = (n - 1) / (last - first) if (first is not None and last is not None and n > 1
-                                            and last > first) else None
+        rate = (
+            (n - 1) / (last - first)
+            if (first is not None and last is not None and n > 1 and last > first)
+            else None
+        )
         finish: str | None = None
         if snap["finished"]:
             outputs = snap["outputs"]

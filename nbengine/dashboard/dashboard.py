@@ -38,8 +38,17 @@ CHART_EVERY_TICKS = 5  # charts refresh at ~2 Hz, the table at ~10 Hz
 THROUGHPUT_BIN_S = 1.0
 MAX_CHART_POINTS = 400
 
-_COLS = (("request", "150px"), ("status", "190px"), ("tokens", "70px"), ("TTFT", "80px"),
-         ("age", "80px"), ("source", "80px"), ("", "90px"))
+_COLS = (
+    ("request", "150px"),
+    ("status", "190px"),
+    ("tokens", "70px"),
+    ("TTFT", "80px"),
+    ("age", "80px"),
+    ("source", "80px"),
+    ("", "90px"),
+)
+
+
 def _cell(text: str, width: str, cls: str) -> widgets.HTML:
     w = widgets.HTML(text, layout=widgets.Layout(width=width))
     w.add_class(cls)
@@ -64,8 +73,7 @@ class _Row:
         )
         self.cancel.add_class("nbengine-row-cancel")
         self.box = widgets.HBox(
-            [self.id_cell, self.badge, self.tokens, self.ttft, self.age, self.source,
-             self.cancel],
+            [self.id_cell, self.badge, self.tokens, self.ttft, self.age, self.source, self.cancel],
             layout=widgets.Layout(display="none", align_items="center"),
         )
         self.box.add_class("nbengine-row")
@@ -83,7 +91,9 @@ class Dashboard(widgets.VBox):
         self.title = widgets.HTML("<b>nbengine</b>")
         self.title.add_class("nbengine-dash-title")
         self.cancel_all = widgets.Button(
-            description="Cancel all", icon="stop", button_style="danger",
+            description="Cancel all",
+            icon="stop",
+            button_style="danger",
             layout=widgets.Layout(width="auto"),
         )
         self.cancel_all.add_class("nbengine-cancel-all")
@@ -96,7 +106,11 @@ class Dashboard(widgets.VBox):
         table = widgets.VBox([head, *[r.box for r in self.rows], self.more])
         table.add_class("nbengine-table")
         self.kv_bar = widgets.IntProgress(
-            value=0, min=0, max=1, description="KV cache", bar_style="info",
+            value=0,
+            min=0,
+            max=1,
+            description="KV cache",
+            bar_style="info",
             layout=widgets.Layout(width="360px"),
         )
         self.kv_label = widgets.HTML("")
@@ -104,9 +118,7 @@ class Dashboard(widgets.VBox):
         kv = widgets.HBox([self.kv_bar, self.kv_label], layout=widgets.Layout(grid_gap="12px"))
         self.replicas = widgets.HTML("")  # health of each engine core (replica)
         self.replicas.add_class("nbengine-replicas")
-        fig = make_subplots(
-            rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "requests")
-        )
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "requests"))
         # Lines and markers: a run shorter than one throughput bin has a single point,
         # which a line alone does not draw (the chart looked empty).
         points = dict(mode="lines+markers", marker=dict(size=4))
@@ -114,8 +126,9 @@ class Dashboard(widgets.VBox):
         fig.add_trace(go.Scatter(name="prompt tok/s", x=[], y=[], **points), 1, 1)
         fig.add_trace(go.Scatter(name="running", x=[], y=[], line_shape="hv", **points), 1, 2)
         fig.add_trace(go.Scatter(name="waiting", x=[], y=[], line_shape="hv", **points), 1, 2)
-        fig.update_layout(height=280, margin=dict(l=40, r=10, t=40, b=30),
-                          legend=dict(orientation="h", y=-0.2))
+        fig.update_layout(
+            height=280, margin=dict(l=40, r=10, t=40, b=30), legend=dict(orientation="h", y=-0.2)
+        )
         fig.update_xaxes(title_text="seconds")
         # A LiveFigure, not a plain FigureWidget: a slow browser drew the plain one blank
         # (nbengine/dashboard/figure.py).
@@ -123,9 +136,16 @@ class Dashboard(widgets.VBox):
         super().__init__(
             # The button comes first: the title's width changes with its counts, and a
             # button after it would move under the pointer.
-            [widgets.HBox([self.cancel_all, self.title],
-                          layout=widgets.Layout(grid_gap="16px", align_items="center")),
-             table, kv, self.replicas, self.figure]
+            [
+                widgets.HBox(
+                    [self.cancel_all, self.title],
+                    layout=widgets.Layout(grid_gap="16px", align_items="center"),
+                ),
+                table,
+                kv,
+                self.replicas,
+                self.figure,
+            ]
         )
         self.add_class("nbengine-dashboard")
         self.view = DashboardView(self, monitor)
@@ -202,24 +222,27 @@ class DashboardView:
                 self._refresh_charts(now)
         return False
 
-    def _refresh_table(self, rows: list[RequestRow], counts: dict[RequestStatus, int],
-                       now: float) -> None:
+    def _refresh_table(
+        self, rows: list[RequestRow], counts: dict[RequestStatus, int], now: float
+    ) -> None:
         dash = self.dash
         n_live = sum(c for s, c in counts.items() if not RequestStatus.is_finished(s))
         n_done = sum(counts.values()) - n_live
         parts = ", ".join(f"{counts[s]} {s.name}" for s in RequestStatus if counts.get(s))
         alive = self.monitor.engine_alive()
         state = "" if alive else " — engine stopped"
-        self._set(dash.title, "value",
-                  f"<b>nbengine</b>{self._model_label} — {n_live} live, {n_done} finished{state}"
-                  f'<br><span style="font-size:11px;color:#666">{html.escape(parts)}</span>')
+        self._set(
+            dash.title,
+            "value",
+            f"<b>nbengine</b>{self._model_label} — {n_live} live, {n_done} finished{state}"
+            f'<br><span style="font-size:11px;color:#666">{html.escape(parts)}</span>',
+        )
         self._set(dash.cancel_all, "disabled", n_live == 0 or not alive)
         for row, r in zip(dash.rows, rows + [None] * (len(dash.rows) - len(rows))):
             self._refresh_row(row, r, now)
         shown_live = sum(1 for r in rows if not RequestStatus.is_finished(r.status))
         more = n_live - shown_live
-        self._set(dash.more, "value",
-                  f"<i>+ {more} more live requests</i>" if more > 0 else "")
+        self._set(dash.more, "value", f"<i>+ {more} more live requests</i>" if more > 0 else "")
 
     def _refresh_row(self, row: _Row, r: RequestRow | None, now: float) -> None:
         if r is None:
@@ -236,9 +259,12 @@ class DashboardView:
             status = RequestStatus.RELEASING
         age = r.e2e_time if finished else now - r.arrival_time
         self._set(row.box.layout, "display", "flex")
-        self._set(row.id_cell, "value",
-                  f'<span style="font-family:monospace">{html.escape(r.request_id)}</span>'
-                  + constraint_tag_html(r.constraint))
+        self._set(
+            row.id_cell,
+            "value",
+            f'<span style="font-family:monospace">{html.escape(r.request_id)}</span>'
+            + constraint_tag_html(r.constraint),
+        )
         self._set(row.source, "value", html.escape(request_source(r.request_id)))
         self._set(row.badge, "value", badge_html(status))
         self._set(row.tokens, "value", str(r.output_tokens))
@@ -261,7 +287,8 @@ class DashboardView:
         self._set(self.dash.kv_bar, "max", total)
         self._set(self.dash.kv_bar, "value", min(used, total))
         self._set(
-            self.dash.kv_label, "value",
+            self.dash.kv_label,
+            "value",
             f"{used} / {blocks} blocks "
             f"({100 * used / total:.0f}%) · prefix-cache hit rate {100 * hit:.0f}%",
         )
@@ -283,8 +310,8 @@ class DashboardView:
             colour = "#2e7d32" if alive else "#c62828"
             lines.append(
                 f'<span style="color:{colour}">&#9679;</span> replica {r["replica"]} '
-                f'({html.escape(str(r["backend"]))}): {html.escape(state)} · '
-                f'{r["unfinished"]} unfinished · {r["steps"]} steps'
+                f"({html.escape(str(r['backend']))}): {html.escape(state)} · "
+                f"{r['unfinished']} unfinished · {r['steps']} steps"
             )
         self._set(self.dash.replicas, "value", "<br>".join(lines))
 
@@ -311,8 +338,7 @@ class DashboardView:
         fig = self.dash.figure
         with fig.batch_update():
             fig.data[0].x, fig.data[0].y = xs, [gen.get(b, 0) / THROUGHPUT_BIN_S for b in bins]
-            fig.data[1].x, fig.data[1].y = xs, [prompt.get(b, 0) / THROUGHPUT_BIN_S
-                                                for b in bins]
+            fig.data[1].x, fig.data[1].y = xs, [prompt.get(b, 0) / THROUGHPUT_BIN_S for b in bins]
             fig.data[2].x, fig.data[2].y = sx, [st.num_running for st in sampled]
             fig.data[3].x, fig.data[3].y = sx, [st.num_waiting for st in sampled]
         fig.sync()  # a view rendered from now on starts from these data

@@ -56,6 +56,8 @@ def constraint_tag_html(constraint: str | None) -> str:
     import html
 
     kind = constraint.split(":", 1)[0]
-    return (f' <span class="nbengine-constraint" title="{html.escape(constraint, quote=True)}" '
-            'style="font-size:10px;padding:0 4px;border-radius:3px;background:#ede7f6;'
-            f'color:#4527a0;font-family:monospace">{html.escape(kind)}</span>')
+    return (
+        f' <span class="nbengine-constraint" title="{html.escape(constraint, quote=True)}" '
+        'style="font-size:10px;padding:0 4px;border-radius:3px;background:#ede7f6;'
+        f'color:#4527a0;font-family:monospace">{html.escape(kind)}</span>'
+    )

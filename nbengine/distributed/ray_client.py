@@ -148,9 +148,7 @@ class RayCoreClient(CoreClient):
     # ------------------------------------------------------------------ actors
 
     def _spawn(self, index: int) -> _Replica:
-        actor = self._actor_cls.options(
-            name=None, **self._options
-        ).remote(self._config, index)
+        actor = self._actor_cls.options(name=None, **self._options).remote(self._config, index)
         return _Replica(index=index, actor=actor)
 
     def _kill(self, rep: _Replica) -> None:
@@ -162,7 +160,10 @@ class RayCoreClient(CoreClient):
     # ------------------------------------------------------------------ CoreClient
 
     def start(
-        self, emit: EmitFn, on_exit: ExitFn, fail_keys: FailKeysFn,
+        self,
+        emit: EmitFn,
+        on_exit: ExitFn,
+        fail_keys: FailKeysFn,
         on_routed: RoutedFn | None = None,
     ) -> None:
         self._emit, self._on_exit, self._fail_keys = emit, on_exit, fail_keys
@@ -172,7 +173,9 @@ class RayCoreClient(CoreClient):
 
     def _start_pull(self, rep: _Replica) -> None:
         rep.thread = threading.Thread(
-            target=self._pull_loop, args=(rep,), name=f"nbengine-ray-pull-{rep.index}",
+            target=self._pull_loop,
+            args=(rep,),
+            name=f"nbengine-ray-pull-{rep.index}",
             daemon=True,
         )
         rep.thread.start()
@@ -249,7 +252,9 @@ class RayCoreClient(CoreClient):
             rep.utilities.pop(uid, None)
             fut.set_exception(exc)
 
-    def run_utility(self, fn: Callable[[EngineCore], Any], replica: int | None = None) -> Future[Any]:
+    def run_utility(
+        self, fn: Callable[[EngineCore], Any], replica: int | None = None
+    ) -> Future[Any]:
         """Run ``fn(core)`` in a replica's actor between steps (``fn`` must pickle).
 
         ``replica`` None: the first live replica. Call it from any thread but the loop's
@@ -368,21 +373,23 @@ class RayCoreClient(CoreClient):
         loads = self.router.loads()
         out = []
         for rep, load in zip(self._replicas, loads):
-            out.append({
-                "replica": rep.index,
-                "backend": "ray",
-                "alive": rep.alive,
-                "host": rep.info.get("host"),
-                "pid": rep.info.get("pid"),
-                "unfinished": load["unfinished"] if rep.alive else 0,
-                "kv_usage": load["kv_usage"],
-                "routed_total": load["routed_total"],
-                "prefix_hits": load["prefix_hits"],
-                "steps": rep.steps,
-                "batches": rep.batches,
-                "pulls": rep.pulls,
-                "error": rep.error,
-            })
+            out.append(
+                {
+                    "replica": rep.index,
+                    "backend": "ray",
+                    "alive": rep.alive,
+                    "host": rep.info.get("host"),
+                    "pid": rep.info.get("pid"),
+                    "unfinished": load["unfinished"] if rep.alive else 0,
+                    "kv_usage": load["kv_usage"],
+                    "routed_total": load["routed_total"],
+                    "prefix_hits": load["prefix_hits"],
+                    "steps": rep.steps,
+                    "batches": rep.batches,
+                    "pulls": rep.pulls,
+                    "error": rep.error,
+                }
+            )
         return out
 
     def _wait_dead(self, reps: list[_Replica], timeout: float) -> None:
@@ -392,7 +399,10 @@ class RayCoreClient(CoreClient):
         for rep in reps:
             while time.monotonic() < deadline:
                 try:
-                    ray.get(rep.actor.num_unfinished.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                    ray.get(
+                        rep.actor.num_unfinished.remote(),
+                        timeout=max(0.1, deadline - time.monotonic()),
+                    )
                 except ray.exceptions.RayActorError:
                     break
                 except Exception:

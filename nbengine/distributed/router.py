@@ -158,7 +158,12 @@ class Router:
         """Per replica: alive, unfinished, kv_usage, routed_total, prefix_hits."""
         with self._lock:
             return [
-                {"alive": r.alive, "unfinished": len(r.keys), "kv_usage": r.kv_usage,
-                 "routed_total": r.routed_total, "prefix_hits": r.prefix_hits}
+                {
+                    "alive": r.alive,
+                    "unfinished": len(r.keys),
+                    "kv_usage": r.kv_usage,
+                    "routed_total": r.routed_total,
+                    "prefix_hits": r.prefix_hits,
+                }
                 for r in self._replicas
             ]

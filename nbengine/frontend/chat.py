@@ -120,8 +120,9 @@ def llm_chat(
 ) -> list[RequestOutput]:
     """``LLM.chat``: every conversation rendered first (a bad one leaves no request
     behind), then one ``LLM.generate`` batch; each output's ``prompt`` is its rendered text."""
-    prompts = [render_chat(llm.tokenizer, conv, **template_options)
-               for conv in _conversations(messages)]
+    prompts = [
+        render_chat(llm.tokenizer, conv, **template_options) for conv in _conversations(messages)
+    ]
     if not prompts:
         return []
     outputs = llm.generate([p.token_ids for p in prompts], sampling_params, use_tqdm=use_tqdm)

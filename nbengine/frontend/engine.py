@@ -129,9 +129,14 @@ class Engine:
         self._eos_token_ids = frozenset(self._client.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ())
         )
-        self._inputs = InputProcessor(tokenizer, self._vocab_size, self._max_model_len,
-                                      default_sampling_params(model_dir), self._eos_token_ids,
-                                      self.config.model.max_logprobs)
+        self._inputs = InputProcessor(
+            tokenizer,
+            self._vocab_size,
+            self._max_model_len,
+            default_sampling_params(model_dir),
+            self._eos_token_ids,
+            self.config.model.max_logprobs,
+        )
 
         # Observers of the output processor (docs/architecture.md, "Seams"); the first is
         # the metrics log and widgets. The UI package is imported here, not at module level.
@@ -142,8 +147,13 @@ class Engine:
         self._observers.add(self.monitor)
         # The loop thread's request state; it holds no reference to the engine, so
         # dropping the last user reference frees the engine at once (no reference cycle).
-        self._registry = RequestRegistry(tokenizer, self._client, self._observers,
-                                         self._eos_token_ids, self.config.scheduler.stream_interval)
+        self._registry = RequestRegistry(
+            tokenizer,
+            self._client,
+            self._observers,
+            self._eos_token_ids,
+            self.config.scheduler.stream_interval,
+        )
         self._processor = self._registry.processor
         self._closed = False
         self._shutdown_lock = threading.Lock()
@@ -153,7 +163,8 @@ class Engine:
         self._exit_stack = contextlib.ExitStack()
         try:
             self._bridge = LoopBridge(
-                self._client, self._exit_stack,
+                self._client,
+                self._exit_stack,
                 closed=lambda: ref() is None or ref()._closed,  # type: ignore[union-attr]
                 dead_reason=lambda: None if ref() is None else ref()._dead,  # type: ignore[union-attr]
             )
@@ -350,14 +361,22 @@ class Engine:
         from nbengine.frontend.chat import engine_chat
 
         return engine_chat(
-            self, messages, params, request_id, chat_template=chat_template,
+            self,
+            messages,
+            params,
+            request_id,
+            chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs, tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     def serve(
-        self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: str | None = None,
         **kwargs: Any,
     ) -> Server:
         """Start an OpenAI-compatible HTTP server on this engine; return it once it listens.
@@ -561,8 +580,9 @@ class Engine:
         """The token ids that end a request (the model's EOS ids and the tokenizer's)."""
         return self._eos_token_ids
 
-    def encode_prompt(self, prompt: Any, sampling_params: SamplingParams | None = None
-                      ) -> list[int]:
+    def encode_prompt(
+        self, prompt: Any, sampling_params: SamplingParams | None = None
+    ) -> list[int]:
         """The token ids ``prompt`` (text, token ids or a prompt dict) runs on, validated
         as ``generate()`` validates it (ValueError/TypeError naming the problem)."""
         params = sampling_params or self.get_default_sampling_params()
@@ -650,8 +670,10 @@ class Engine:
         memory = f", memory: {plan.summary()}" if plan is not None and self.is_alive else ""
         quant = self.config.model.quantization
         quantized = "" if quant is None else f"quantization={quant}, "
-        return (f"Engine(model={shown!r}, dtype={self.dtype}, {quantized}"
-                f"max_model_len={self._max_model_len}, {state}{memory})")
+        return (
+            f"Engine(model={shown!r}, dtype={self.dtype}, {quantized}"
+            f"max_model_len={self._max_model_len}, {state}{memory})"
+        )
 
     @property
     def dtype(self) -> str:

@@ -122,8 +122,7 @@ class InputProcessor:
                         f"Engine(max_logprobs=...); -1 lifts the bound)."
                     )
         if sampling_params.allowed_token_ids:
-            outside = sorted(t for t in sampling_params.allowed_token_ids
-                             if t >= self.vocab_size)
+            outside = sorted(t for t in sampling_params.allowed_token_ids if t >= self.vocab_size)
             if outside:
                 raise ValueError(
                     f"allowed_token_ids names token ids outside the model's vocabulary "
@@ -131,7 +130,8 @@ class InputProcessor:
                 )
         if sampling_params.bad_words:
             sampling_params = sampling_params.replace(
-                bad_words_token_ids=self.bad_words_token_ids(sampling_params.bad_words))
+                bad_words_token_ids=self.bad_words_token_ids(sampling_params.bad_words)
+            )
         if sampling_params.logit_bias:
             outside = sorted(t for t in sampling_params.logit_bias if t >= self.vocab_size)
             if outside:
@@ -168,14 +168,14 @@ class InputProcessor:
             )
         k = sampling_params.truncate_prompt_tokens
         if k is not None:  # keep the last k prompt tokens (-1: the last max_model_len)
-            ids = ids[-(self.max_model_len if k == -1 else k):]
+            ids = ids[-(self.max_model_len if k == -1 else k) :]
         if len(ids) > self.max_model_len:
             raise ValueError(
-                f"The prompt has {len(ids)} tokens, more than max_model_len="
-                f"{self.max_model_len}."
+                f"The prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}."
             )
-        prep = PreparedRequest(request_id, text, ids, sampling_params, priority,
-                               cache_salt=cache_salt)
+        prep = PreparedRequest(
+            request_id, text, ids, sampling_params, priority, cache_salt=cache_salt
+        )
         spec = sampling_params.structured_outputs
         if spec is not None:
             prep.grammars = [self.grammars.matcher(spec) for _ in range(sampling_params.n)]

@@ -147,8 +147,12 @@ class LoopBridge:
 
 def client_callbacks(
     engine_ref: weakref.ref[Engine],
-) -> tuple[Callable[[EngineCoreOutputs], None], Callable[[str | None], None],
-           Callable[[set[str], str], None], Callable[[str, int], None]]:
+) -> tuple[
+    Callable[[EngineCoreOutputs], None],
+    Callable[[str | None], None],
+    Callable[[set[str], str], None],
+    Callable[[str, int], None],
+]:
     """``emit``, ``on_exit``, ``fail_keys`` and ``on_routed`` for the core client.
 
     They hold the Engine only weakly: an engine that nobody references any more (its

@@ -151,8 +151,9 @@ class OutputProcessor:
         for child in live.children:
             self.keys[child.key] = child
             self._parent_of[child.key] = live
-            self._observers.on_request(child.key, live.request_id, len(live.prompt_token_ids),
-                                       live.metrics.arrival_time)
+            self._observers.on_request(
+                child.key, live.request_id, len(live.prompt_token_ids), live.metrics.arrival_time
+            )
             self._transition(live, child, RequestStatus.QUEUED)
 
     def num_unfinished(self) -> int:
@@ -284,9 +285,7 @@ class OutputProcessor:
         for live, changed in touched.values():
             self._publish(live, changed, now)
 
-    def _add_prompt_logprobs(
-        self, live: LiveRequest, new: list[PositionLogprobs | None]
-    ) -> None:
+    def _add_prompt_logprobs(self, live: LiveRequest, new: list[PositionLogprobs | None]) -> None:
         for pos in new:
             if pos is not None:
                 self._fill_decoded(pos)
@@ -330,8 +329,9 @@ class OutputProcessor:
             and not out.finished_by_grammar
         )
         stop = child.detok.update(ids, exclude_last_text=hide_last)
-        self._observers.on_tokens(child.key, len(child.detok.token_ids), now,
-                                  live.num_cached_tokens)
+        self._observers.on_tokens(
+            child.key, len(child.detok.token_ids), now, live.num_cached_tokens
+        )
         if stop is not None and not out.finished and not child.released:
             # Decided here: the core still runs it. RELEASING until it confirms.
             self._transition(live, child, RequestStatus.RELEASING)
@@ -412,13 +412,16 @@ class OutputProcessor:
                     token_ids=list(child.detok.token_ids),
                     cumulative_logprob=child.cumulative_logprob,
                     logprobs=list(child.logprobs) if child.logprobs is not None else None,
-                    finish_reason=str(child.finish_reason) if child.finish_reason is not None else None,
+                    finish_reason=str(child.finish_reason)
+                    if child.finish_reason is not None
+                    else None,
                     stop_reason=child.stop_reason,
                 )
             )
         errors = [c.error for c in live.children if c.error]
-        return _request_output(live, comps, True, live.prompt_logprobs,
-                               error=errors[0] if errors else None)
+        return _request_output(
+            live, comps, True, live.prompt_logprobs, error=errors[0] if errors else None
+        )
 
     def _publish(self, live: LiveRequest, changed: dict[int, ChildState], now: float) -> None:
         if live.finalized:

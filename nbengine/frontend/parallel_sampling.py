@@ -45,7 +45,11 @@ def fan_out(
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None,
             )
         children.append(
-            ChildState(key=key, index=i, params=cp,
-                       detok=IncrementalDetokenizer(tokenizer, cp, prompt_token_ids))
+            ChildState(
+                key=key,
+                index=i,
+                params=cp,
+                detok=IncrementalDetokenizer(tokenizer, cp, prompt_token_ids),
+            )
         )
     return children

@@ -54,8 +54,7 @@ class RequestRegistry:
         self._observers = observers
         self._eos_token_ids = eos_token_ids
         self._stream_interval = stream_interval
-        self.processor = OutputProcessor(tokenizer, send_abort=self.send_abort,
-                                         observers=observers)
+        self.processor = OutputProcessor(tokenizer, send_abort=self.send_abort, observers=observers)
         self.dead: str | None = None  # why the engine can no longer serve
         self._incarnations = itertools.count(1)
         self._auto_ids = itertools.count()
@@ -196,4 +195,3 @@ class RequestRegistry:
         if self.dead is None:
             self.dead = reason
         self.processor.fail_all(reason, FinishReason.ABORT)
-

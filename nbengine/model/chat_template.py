@@ -36,7 +36,13 @@ __all__ = ["ChatTemplate", "ChatTemplateError", "NoChatTemplateError"]
 Message = Mapping[str, Any]
 
 _SPECIAL_TOKEN_NAMES = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
 )
 # Names a message's reasoning may come under; templates read ``reasoning_content``
 # (gpt-oss templates read ``thinking``). As transformers does, each is filled from the
@@ -72,11 +78,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates want plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -86,7 +98,8 @@ def _strftime_now(fmt: str) -> str:
 @functools.lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
@@ -95,7 +108,9 @@ def _compile(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"The chat template is not valid Jinja (line {exc.lineno}): {exc}") from exc
+        raise ChatTemplateError(
+            f"The chat template is not valid Jinja (line {exc.lineno}): {exc}"
+        ) from exc
 
 
 def _token_content(value: object) -> str | None:
@@ -149,7 +164,9 @@ def _normalise_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for msg in messages:
         if not isinstance(msg, Mapping):
-            raise TypeError(f"Each chat message must be a dict with 'role' and 'content', got {msg!r}.")
+            raise TypeError(
+                f"Each chat message must be a dict with 'role' and 'content', got {msg!r}."
+            )
         if "role" not in msg:
             raise ValueError(f"Chat message {dict(msg)!r} has no 'role'.")
         # Keys set to None are dropped (the OpenAI SDK sends content=None, tool_calls=None):
@@ -209,7 +226,9 @@ class ChatTemplate:
         model has one, else "default")."""
         if chat_template is not None:
             if not isinstance(chat_template, str):
-                raise TypeError(f"chat_template must be a string, got {type(chat_template).__name__}.")
+                raise TypeError(
+                    f"chat_template must be a string, got {type(chat_template).__name__}."
+                )
             return self.templates.get(chat_template, chat_template)
         if tools and "tool_use" in self.templates:
             return self.templates["tool_use"]
@@ -225,7 +244,7 @@ class ChatTemplate:
             f"in tokenizer_config.json under {self.source}). Pass one as a Jinja string, e.g. "
             "engine.chat(messages, chat_template=\"{% for m in messages %}{{ m['role'] }}: "
             "{{ m['content'] }}\\n{% endfor %}{% if add_generation_prompt %}assistant: "
-            "{% endif %}\"), or use engine.generate() with a plain prompt."
+            '{% endif %}"), or use engine.generate() with a plain prompt.'
         )
 
     def render(
@@ -251,8 +270,9 @@ class ChatTemplate:
                 "continue_final_message=True continues the last one: choose one (pass "
                 "add_generation_prompt=False to continue the final message)."
             )
-        if tools is not None and (isinstance(tools, (str, Mapping)) or not all(
-                isinstance(t, Mapping) for t in tools)):
+        if tools is not None and (
+            isinstance(tools, (str, Mapping)) or not all(isinstance(t, Mapping) for t in tools)
+        ):
             raise TypeError("tools must be a list of JSON-schema dicts.")
         source = self.select(chat_template, tools)
         chat = _normalise_messages(messages)
@@ -260,7 +280,9 @@ class ChatTemplate:
         if continue_final_message:
             content = chat[-1].get("content")
             if not isinstance(content, str):
-                raise ValueError("continue_final_message=True needs a final message with text content.")
+                raise ValueError(
+                    "continue_final_message=True needs a final message with text content."
+                )
             final = content
             # Mark where the final message ends, then cut everything the template adds after it.
             chat[-1]["content"] = final + _CONTINUE_TAG
@@ -278,8 +300,10 @@ class ChatTemplate:
         except (TypeError, ValueError, AttributeError) as exc:  # e.g. str + list in the template
             hint = ""
             if any(not isinstance(m.get("content", ""), str) for m in chat):
-                hint = (" This template may expect every message's content as a string; "
-                        "content given as a list of parts is passed to it unchanged.")
+                hint = (
+                    " This template may expect every message's content as a string; "
+                    "content given as a list of parts is passed to it unchanged."
+                )
             raise ChatTemplateError(
                 f"Rendering the chat template failed: {type(exc).__name__}: {exc}.{hint}"
             ) from exc

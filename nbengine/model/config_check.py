@@ -21,15 +21,25 @@ from nbengine.validation import is_int, is_number
 __all__ = ["check_hf_config", "check_inside"]
 
 POSITIVE_INTS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "max_position_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
     # GPT-2's names
-    "n_embd", "n_layer", "n_head", "n_positions",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
 )
 OPTIONAL_POSITIVE_INTS = ("num_key_value_heads", "head_dim", "n_inner", "sliding_window")
 POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
 BOOLS = (
-    "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "use_sliding_window",
     "scale_attn_weights",
 )
 OPTIONAL_DICTS = ("rope_scaling", "rope_parameters")
@@ -71,13 +81,17 @@ def check_hf_config(cfg: dict[str, Any], path: Path) -> None:
         method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg
         raise ModelLoadError(
             f"{cfg_file}: quantization_config ({method!r}): pre-quantized checkpoints are not "
-            "supported; load the unquantized checkpoint with quantization=\"int8\" or "
-            "\"int4\" (docs/quantization.md)."
+            'supported; load the unquantized checkpoint with quantization="int8" or '
+            '"int4" (docs/quantization.md).'
         )
     heads = cfg.get("num_attention_heads", cfg.get("n_head"))
     hidden = cfg.get("hidden_size", cfg.get("n_embd"))
-    if isinstance(heads, int) and isinstance(hidden, int) and cfg.get("head_dim") is None \
-            and hidden % heads:
+    if (
+        isinstance(heads, int)
+        and isinstance(hidden, int)
+        and cfg.get("head_dim") is None
+        and hidden % heads
+    ):
         raise ModelLoadError(
             f"{cfg_file}: hidden_size ({hidden}) must be a multiple of num_attention_heads "
             f"({heads}) when head_dim is not given."
@@ -94,7 +108,9 @@ def check_inside(path: Path, name: object, listed_in: Path) -> Path:
     """``path / name`` for a file name read from ``listed_in``; refuse names that are not
     plain relative paths inside ``path`` (absolute, ``..``, or through a link outside)."""
     if not isinstance(name, str) or not name:
-        raise ModelLoadError(f"{listed_in} lists a weight file name that is not a string: {name!r}.")
+        raise ModelLoadError(
+            f"{listed_in} lists a weight file name that is not a string: {name!r}."
+        )
     candidate = Path(name)
     if candidate.is_absolute() or ".." in candidate.parts:
         raise ModelLoadError(

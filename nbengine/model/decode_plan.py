@@ -44,22 +44,54 @@ _P = ctypes.c_void_p
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [*[(name, _P) for name in (
-        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-        "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")],
+    _fields_ = [
+        *[
+            (name, _P)
+            for name in (
+                "input_norm",
+                "post_norm",
+                "qkv",
+                "qkv_bias",
+                "o",
+                "o_bias",
+                "gate_up",
+                "gate_up_bias",
+                "down",
+                "down_bias",
+                "k_cache",
+                "v_cache",
+            )
+        ],
         ("window", ctypes.c_int64),  # sliding window; 0: full attention
-        *[(name, _P) for name in ("qkv_scales", "o_scales", "gate_up_scales", "down_scales")]]
+        *[(name, _P) for name in ("qkv_scales", "o_scales", "gate_up_scales", "down_scales")],
+    ]
 
 
 class _Decoder(ctypes.Structure):
     _fields_ = [
-        *[(name, ctypes.c_int64) for name in (
-            "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim",
-            "block_size")],
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("cos", _P), ("sin", _P), ("layers", ctypes.POINTER(_Layer)),
-        ("final_norm", _P), ("lm_head", _P), ("vocab", ctypes.c_int64),
-        ("qbits", ctypes.c_int64), ("qgroup", ctypes.c_int64), ("lm_head_scales", _P),
+        *[
+            (name, ctypes.c_int64)
+            for name in (
+                "num_layers",
+                "hidden",
+                "intermediate",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "block_size",
+            )
+        ],
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos", _P),
+        ("sin", _P),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", _P),
+        ("lm_head", _P),
+        ("vocab", ctypes.c_int64),
+        ("qbits", ctypes.c_int64),
+        ("qgroup", ctypes.c_int64),
+        ("lm_head_scales", _P),
     ]
 
 
@@ -90,8 +122,12 @@ class ThreadChooser:
 class DecodePlan:
     """The native decode path for one model and one set of KV cache tensors."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 kernels: native.NativeKernels) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kernels: native.NativeKernels,
+    ) -> None:
         a = model.args
         self._fn = kernels.decoder_decode
         self.cache_key = cache_key(kv_caches)
@@ -125,50 +161,87 @@ class DecodePlan:
             (qkv, qkv_s), (o, o_s) = weights(attn.qkv_proj), weights(attn.o_proj)
             (gu, gu_s), (down, down_s) = weights(mlp.gate_up_proj), weights(mlp.down_proj)
             layers[i] = _Layer(
-                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
-                qkv, bias(attn.qkv_proj), o, bias(attn.o_proj),
-                gu, bias(mlp.gate_up_proj), down, bias(mlp.down_proj),
-                ptr(kc), ptr(vc), attn.window or 0, qkv_s, o_s, gu_s, down_s,
+                ptr(layer.input_layernorm.weight),
+                ptr(layer.post_attention_layernorm.weight),
+                qkv,
+                bias(attn.qkv_proj),
+                o,
+                bias(attn.o_proj),
+                gu,
+                bias(mlp.gate_up_proj),
+                down,
+                bias(mlp.down_proj),
+                ptr(kc),
+                ptr(vc),
+                attn.window or 0,
+                qkv_s,
+                o_s,
+                gu_s,
+                down_s,
             )
         rot = model.rotary
         head = model.lm_head
         # The head runs in the plan when it is a native linear without bias, in the
         # layers' format (else in Python).
         head_kind = QuantLinear if mode is not None else NativeLinear
-        self.has_lm_head = (isinstance(head, head_kind) and _native(head)._b is None
-                            and getattr(head, "mode", None) == mode
-                            and getattr(head, "is_native", True)
-                            and model.norm.weight.dtype == torch.bfloat16)
+        self.has_lm_head = (
+            isinstance(head, head_kind)
+            and _native(head)._b is None
+            and getattr(head, "mode", None) == mode
+            and getattr(head, "is_native", True)
+            and model.norm.weight.dtype == torch.bfloat16
+        )
         head_w, head_s = weights(head) if self.has_lm_head else (None, None)
         self._layers = layers  # referenced by the struct: keep alive
         self._decoder = _Decoder(
-            a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
-            a.head_dim, kv_caches[0][0].shape[1], model_layers[0].input_layernorm.eps,
-            model_layers[0].self_attn.scale, ptr(rot.cos), ptr(rot.sin), layers,
-            ptr(model.norm.weight), head_w, a.vocab_size,
+            a.num_layers,
+            a.hidden_size,
+            a.intermediate_size,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            kv_caches[0][0].shape[1],
+            model_layers[0].input_layernorm.eps,
+            model_layers[0].self_attn.scale,
+            ptr(rot.cos),
+            ptr(rot.sin),
+            layers,
+            ptr(model.norm.weight),
+            head_w,
+            a.vocab_size,
             0 if mode is None else (8 if cast(QuantLinear, first).group_size is None else 4),
-            (cast(QuantLinear, first).group_size or 0) if mode is not None else 0, head_s)
+            (cast(QuantLinear, first).group_size or 0) if mode is not None else 0,
+            head_s,
+        )
         self.hidden = a.hidden_size
         self.vocab = a.vocab_size
         self.threads = ThreadChooser()
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, residual)`` after every layer, from embeddings ``x [B, hidden]`` (overwritten)."""
         residual = torch.empty_like(x)
         self._call(x, residual, None, positions, meta)
         return x, residual
 
-    def logits(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-               ) -> torch.Tensor:
+    def logits(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """float32 logits ``[B, vocab]`` from embeddings ``x`` (needs ``has_lm_head``)."""
         assert self.has_lm_head
         logits = torch.empty(x.shape[0], self.vocab, dtype=torch.float32)
         self._call(x, torch.empty_like(x), logits, positions, meta)
         return logits
 
-    def _call(self, x: torch.Tensor, residual: torch.Tensor, logits: torch.Tensor | None,
-              positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def _call(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        logits: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
         assert meta.token_block_tables is not None and meta.token_seq_lens is not None
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[1] == self.hidden
         b = x.shape[0]
@@ -177,11 +250,19 @@ class DecodePlan:
         if small:
             threads = self.threads.choose(threads)
         start = time.perf_counter()
-        self._fn(ctypes.byref(self._decoder), x.data_ptr(), residual.data_ptr(),
-                 None if logits is None else logits.data_ptr(), positions.data_ptr(),
-                 meta.slot_mapping.data_ptr(),
-                 meta.token_block_tables.data_ptr(), meta.token_seq_lens.data_ptr(),
-                 b, meta.token_block_tables.shape[1], threads)
+        self._fn(
+            ctypes.byref(self._decoder),
+            x.data_ptr(),
+            residual.data_ptr(),
+            None if logits is None else logits.data_ptr(),
+            positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            meta.token_block_tables.data_ptr(),
+            meta.token_seq_lens.data_ptr(),
+            b,
+            meta.token_block_tables.shape[1],
+            threads,
+        )
         if small:
             self.threads.record(threads, time.perf_counter() - start)
 
@@ -201,8 +282,9 @@ def cache_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, 
     return tuple(t.data_ptr() for pair in kv_caches for t in pair)
 
 
-def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                      ) -> DecodePlan | None:
+def build_decode_plan(
+    model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> DecodePlan | None:
     """A plan if every part of ``model`` runs natively (else None: use the module path)."""
     # Loaded already if the model runs natively at all (pack_linears built them for its
     # bfloat16 weights); a float32 model must not trigger a build here.
@@ -225,11 +307,14 @@ def build_decode_plan(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tenso
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if mode is None and not all(isinstance(m, NativeLinear) for m in linears):
             return None
-        if mode is not None and not all(isinstance(m, QuantLinear) and m.is_native
-                                        and m.mode == mode for m in linears):
+        if mode is not None and not all(
+            isinstance(m, QuantLinear) and m.is_native and m.mode == mode for m in linears
+        ):
             return None
         if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
             return None
-        if not (kc.dtype == vc.dtype == torch.bfloat16 and kc.is_contiguous() and vc.is_contiguous()):
+        if not (
+            kc.dtype == vc.dtype == torch.bfloat16 and kc.is_contiguous() and vc.is_contiguous()
+        ):
             return None
     return DecodePlan(model, kv_caches, kernels)

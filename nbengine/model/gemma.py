@@ -85,7 +85,9 @@ class GemmaArgs:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"),
+            hidden_act=str(
+                cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+            ),
             attn_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
             attn_softcap=float(attn_cap) if attn_cap else None,
             final_softcap=float(final_cap) if final_cap else None,
@@ -105,15 +107,20 @@ def _layer_rope(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[RopeSp
     types = layer_types(cfg, arch, num_layers)
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
         # Newer configs: one rope_parameters dict per layer type.
-        per_type = {t: (float(p.get("rope_theta", 10000.0)), with_original_length(p, cfg))
-                    for t, p in params.items() if isinstance(p, dict)}
+        per_type = {
+            t: (float(p.get("rope_theta", 10000.0)), with_original_length(p, cfg))
+            for t, p in params.items()
+            if isinstance(p, dict)
+        }
         return tuple(per_type.get(t, per_type["full_attention"]) for t in types)
     flat = params if isinstance(params, dict) else None
     theta = cfg.get("rope_theta")
     if theta is None and flat is not None:
         theta = flat.get("rope_theta")
-    global_rope: RopeSpec = (float(theta if theta is not None else 10000.0),
-                             with_original_length(cfg.get("rope_scaling") or flat, cfg))
+    global_rope: RopeSpec = (
+        float(theta if theta is not None else 10000.0),
+        with_original_length(cfg.get("rope_scaling") or flat, cfg),
+    )
     if arch != "Gemma3ForCausalLM":
         return (global_rope,) * num_layers
     local_rope: RopeSpec = (float(cfg.get("rope_local_base_freq", 10000.0)), None)
@@ -140,7 +147,9 @@ class GemmaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias)
+        self.qkv_proj = nn.Linear(
+            a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias)
         self.q_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
@@ -149,8 +158,14 @@ class GemmaAttention(nn.Module):
         self.scale = a.attn_scale
         self.softcap = a.attn_softcap
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -184,8 +199,14 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(a)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         h = self.self_attn.forward(self.input_layernorm(x), positions, meta, k_cache, v_cache)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp.forward(self.pre_feedforward_layernorm(x))
@@ -208,13 +229,19 @@ class GemmaForCausalLM(nn.Module):
         for theta, scaling in a.layer_rope:
             key = repr((theta, scaling))
             if key not in tables:
-                tables[key] = RotaryEmbedding(a.head_dim, a.max_positions, theta, scaling,
-                                              model_max_positions=a.model_max_positions)
+                tables[key] = RotaryEmbedding(
+                    a.head_dim,
+                    a.max_positions,
+                    theta,
+                    scaling,
+                    model_max_positions=a.model_max_positions,
+                )
             rotaries.append(tables[key])
         self.rotaries = nn.ModuleList(tables.values())
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(a, rotaries[i], a.layer_windows[i]) for i in range(a.num_layers))
+            GemmaDecoderLayer(a, rotaries[i], a.layer_windows[i]) for i in range(a.num_layers)
+        )
         self.norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.tie_weights()
@@ -225,7 +252,10 @@ class GemmaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
@@ -261,8 +291,12 @@ class GemmaForCausalLM(nn.Module):
             m["lm_head.weight"] = [W("lm_head.weight", 0, a.vocab_size)]
         for i in range(a.num_layers):
             hp, ours = f"model.layers.{i}.", f"layers.{i}."
-            for nm in ("input_layernorm", "post_attention_layernorm",
-                       "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            for nm in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ):
                 m[ours + nm + ".weight"] = [W(hp + nm + ".weight", 0, h)]
             for s in ["weight"] + (["bias"] if a.attention_bias else []):
                 m[ours + f"self_attn.qkv_proj.{s}"] = [
@@ -273,7 +307,9 @@ class GemmaForCausalLM(nn.Module):
                 m[ours + f"self_attn.o_proj.{s}"] = [W(hp + f"self_attn.o_proj.{s}", 0, h)]
             if a.qk_norm:
                 for nm in ("q_norm", "k_norm"):
-                    m[ours + f"self_attn.{nm}.weight"] = [W(hp + f"self_attn.{nm}.weight", 0, a.head_dim)]
+                    m[ours + f"self_attn.{nm}.weight"] = [
+                        W(hp + f"self_attn.{nm}.weight", 0, a.head_dim)
+                    ]
             m[ours + "mlp.gate_up_proj.weight"] = [
                 W(hp + "mlp.gate_proj.weight", 0, inter),
                 W(hp + "mlp.up_proj.weight", inter, inter),

@@ -79,8 +79,9 @@ class GPT2Block(nn.Module):
         n = x.shape[0]
         q, k, v = self.c_attn(self.ln_1(x)).split(self.hidden, dim=-1)
         shape = (n, self.num_heads, self.head_dim)
-        o = paged_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape),
-                            k_cache, v_cache, meta, self.scale)
+        o = paged_attention(
+            q.reshape(shape), k.reshape(shape), v.reshape(shape), k_cache, v_cache, meta, self.scale
+        )
         x = x + self.attn_proj(o.reshape(n, self.hidden))
         return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
 
@@ -107,7 +108,10 @@ class GPT2LMHeadModel(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (final LayerNorm applied)."""

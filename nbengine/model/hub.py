@@ -135,8 +135,9 @@ def _as_model_load_error(exc: Exception, repo_id: str, revision: str | None) -> 
     return ModelLoadError(msg)
 
 
-def _snapshot(repo_id: str, revision: str | None, patterns: list[str], *,
-              local_files_only: bool) -> Path:
+def _snapshot(
+    repo_id: str, revision: str | None, patterns: list[str], *, local_files_only: bool
+) -> Path:
     from huggingface_hub import snapshot_download
 
     folder = snapshot_download(
@@ -170,9 +171,14 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
         logger.info("Using %s from the Hub cache: %s", _describe(repo_id, revision), cached)
         return cached
     if constants.HF_HUB_OFFLINE:
-        where = f"is incomplete in the Hub cache ({cached})" if cached else (
-            f"is not in the Hub cache ({constants.HF_HUB_CACHE})")
-        raise ModelLoadError(f"The model {_describe(repo_id, revision)} {where}. " + _hint_offline(repo_id))
+        where = (
+            f"is incomplete in the Hub cache ({cached})"
+            if cached
+            else (f"is not in the Hub cache ({constants.HF_HUB_CACHE})")
+        )
+        raise ModelLoadError(
+            f"The model {_describe(repo_id, revision)} {where}. " + _hint_offline(repo_id)
+        )
     try:
         # The small files first: the shard index says which weight files to fetch.
         snapshot = _snapshot(repo_id, revision, list(ENGINE_FILES), local_files_only=False)

@@ -75,7 +75,9 @@ class DecoderArgs:
     def from_hf(cls, cfg: dict[str, Any], arch: str, max_positions: int) -> DecoderArgs:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
+        rope_params = (
+            cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
+        )
         theta = cfg.get("rope_theta")
         if theta is None and rope_params is not None:
             theta = rope_params.get("rope_theta")
@@ -122,8 +124,9 @@ class DecoderAttention(nn.Module):
     qkv_proj: AnyLinear
     o_proj: AnyLinear
 
-    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding | None,
-                 window: int | None = None) -> None:
+    def __init__(
+        self, a: DecoderArgs, rotary: RotaryEmbedding | None, window: int | None = None
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size = a.num_heads * a.head_dim
@@ -139,15 +142,21 @@ class DecoderAttention(nn.Module):
         self.scale = a.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-        k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj.forward(x)
         rotary = self.rotary
         if self.qk_norm_full or rotary is None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            norms = None if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm)
+            norms = (
+                None if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm)
+            )
             if norms is not None and self.qk_norm_full:  # over all heads at once
                 q, k = norms[0](q.contiguous()), norms[1](k.contiguous())
             q = q.reshape(n, self.num_heads, self.head_dim)
@@ -160,9 +169,9 @@ class DecoderAttention(nn.Module):
         elif self.q_norm is None:
             # q and k sit side by side in qkv: rotate them in one pass (same elementwise ops).
             qk = qkv[:, : self.q_size + self.kv_size].view(
-                n, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = rotary.rotate(positions, qk).split(
-                [self.num_heads, self.num_kv_heads], dim=1)
+                n, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            q, k = rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -190,8 +199,9 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding | None,
-                 window: int | None = None) -> None:
+    def __init__(
+        self, a: DecoderArgs, rotary: RotaryEmbedding | None, window: int | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = DecoderAttention(a, rotary, window)
@@ -199,8 +209,13 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(a)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, residual)``: the stream is ``h + residual``, added by the next norm.
 
@@ -219,8 +234,9 @@ class DecoderLayer(nn.Module):
 class PostNormDecoderLayer(nn.Module):
     """OLMo 2's block: ``x = x + norm1(attn(x)); x = x + norm2(mlp(x))`` (no pre-norms)."""
 
-    def __init__(self, a: DecoderArgs, rotary: RotaryEmbedding | None,
-                 window: int | None = None) -> None:
+    def __init__(
+        self, a: DecoderArgs, rotary: RotaryEmbedding | None, window: int | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(a, rotary, window)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -228,13 +244,20 @@ class PostNormDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, residual)`` as ``DecoderLayer`` returns them (the stream is their sum)."""
         if residual is not None:
             x = x + residual
-        h = self.post_attention_layernorm(self.self_attn.forward(x, positions, meta, k_cache, v_cache))
+        h = self.post_attention_layernorm(
+            self.self_attn.forward(x, positions, meta, k_cache, v_cache)
+        )
         x = x + h
         return self.post_feedforward_layernorm(self.mlp.forward(x)), x
 
@@ -249,14 +272,21 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = a.num_kv_heads
         self.head_dim = a.head_dim
         self.layer_windows: tuple[int | None, ...] = a.layer_windows or (None,) * a.num_layers
-        self.rotary = RotaryEmbedding(a.head_dim, a.max_positions, a.rope_theta, a.rope_scaling,
-                                      a.rotary_dim or a.head_dim, a.model_max_positions)
+        self.rotary = RotaryEmbedding(
+            a.head_dim,
+            a.max_positions,
+            a.rope_theta,
+            a.rope_scaling,
+            a.rotary_dim or a.head_dim,
+            a.model_max_positions,
+        )
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         rope = a.layer_rope or (True,) * a.num_layers
         block = PostNormDecoderLayer if a.post_norm else DecoderLayer
         self.layers = nn.ModuleList(
             block(a, self.rotary if rope[i] else None, self.layer_windows[i])
-            for i in range(a.num_layers))
+            for i in range(a.num_layers)
+        )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.tie_weights()
@@ -271,7 +301,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
@@ -290,7 +323,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def decode_logits(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor | None:
         """float32 logits of every row of a decode-only step, from one native call (the
@@ -301,7 +337,6 @@ class LlamaForCausalLM(nn.Module):
         if plan is None or not plan.has_lm_head:
             return None
         return plan.logits(self.embed_tokens(input_ids), positions, meta)
-
 
     def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan | None:
         plan = self._plan
@@ -315,7 +350,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the selected hidden rows."""
         head = self.lm_head
-        if isinstance(head, (NativeLinear, QuantLinear)):  # float32 straight from the kernel's accumulators
+        if isinstance(
+            head, (NativeLinear, QuantLinear)
+        ):  # float32 straight from the kernel's accumulators
             return head(hidden, out_dtype=torch.float32)
         return head(hidden).float()
 
@@ -331,31 +368,49 @@ class LlamaForCausalLM(nn.Module):
             m["lm_head.weight"] = [W("lm_head.weight", 0, a.vocab_size)]
         for i in range(a.num_layers):
             hp, ours = f"model.layers.{i}.", f"layers.{i}."
-            norms = (["post_attention_layernorm", "post_feedforward_layernorm"] if a.post_norm
-                     else ["input_layernorm", "post_attention_layernorm"])
+            norms = (
+                ["post_attention_layernorm", "post_feedforward_layernorm"]
+                if a.post_norm
+                else ["input_layernorm", "post_attention_layernorm"]
+            )
             for nm in norms:
                 m[ours + nm + ".weight"] = [W(hp + nm + ".weight", 0, a.hidden_size)]
             suffixes = ["weight"] + (["bias"] if a.qkv_bias else [])
             for s in suffixes:
                 m[ours + f"self_attn.qkv_proj.{s}"] = (
-                    [W(hp + f"self_attn.qkv_proj.{s}", 0, q + 2 * kv)] if a.fused_checkpoint else [
+                    [W(hp + f"self_attn.qkv_proj.{s}", 0, q + 2 * kv)]
+                    if a.fused_checkpoint
+                    else [
                         W(hp + f"self_attn.q_proj.{s}", 0, q),
                         W(hp + f"self_attn.k_proj.{s}", q, kv),
                         W(hp + f"self_attn.v_proj.{s}", q + kv, kv),
-                    ])
-            m[ours + "self_attn.o_proj.weight"] = [W(hp + "self_attn.o_proj.weight", 0, a.hidden_size)]
+                    ]
+                )
+            m[ours + "self_attn.o_proj.weight"] = [
+                W(hp + "self_attn.o_proj.weight", 0, a.hidden_size)
+            ]
             if a.o_bias:
-                m[ours + "self_attn.o_proj.bias"] = [W(hp + "self_attn.o_proj.bias", 0, a.hidden_size)]
+                m[ours + "self_attn.o_proj.bias"] = [
+                    W(hp + "self_attn.o_proj.bias", 0, a.hidden_size)
+                ]
             if a.qk_norm:
-                widths = {"q_norm": q, "k_norm": kv} if a.qk_norm_full else {
-                    "q_norm": a.head_dim, "k_norm": a.head_dim}
+                widths = (
+                    {"q_norm": q, "k_norm": kv}
+                    if a.qk_norm_full
+                    else {"q_norm": a.head_dim, "k_norm": a.head_dim}
+                )
                 for nm, width in widths.items():
-                    m[ours + f"self_attn.{nm}.weight"] = [W(hp + f"self_attn.{nm}.weight", 0, width)]
+                    m[ours + f"self_attn.{nm}.weight"] = [
+                        W(hp + f"self_attn.{nm}.weight", 0, width)
+                    ]
             for s in ["weight"] + (["bias"] if a.mlp_bias else []):
                 m[ours + f"mlp.gate_up_proj.{s}"] = (
-                    [W(hp + f"mlp.gate_up_proj.{s}", 0, 2 * inter)] if a.fused_checkpoint else [
+                    [W(hp + f"mlp.gate_up_proj.{s}", 0, 2 * inter)]
+                    if a.fused_checkpoint
+                    else [
                         W(hp + f"mlp.gate_proj.{s}", 0, inter),
                         W(hp + f"mlp.up_proj.{s}", inter, inter),
-                    ])
+                    ]
+                )
                 m[ours + f"mlp.down_proj.{s}"] = [W(hp + f"mlp.down_proj.{s}", 0, a.hidden_size)]
         return m

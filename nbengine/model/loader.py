@@ -208,22 +208,36 @@ def build_model(cfg: dict[str, Any], arch: str, max_positions: int, path: Path) 
 
 def _build_gemma(gargs: GemmaArgs, path: Path) -> GemmaForCausalLM:
     if gargs.hidden_act not in GEMMA_ACTIVATIONS:
-        raise ModelLoadError(f"Unsupported Gemma hidden_activation {gargs.hidden_act!r} "
-                             f"(supported: {', '.join(GEMMA_ACTIVATIONS)}).")
+        raise ModelLoadError(
+            f"Unsupported Gemma hidden_activation {gargs.hidden_act!r} "
+            f"(supported: {', '.join(GEMMA_ACTIVATIONS)})."
+        )
     if gargs.num_heads % gargs.num_kv_heads:
         raise ModelLoadError("num_attention_heads must be a multiple of num_key_value_heads.")
     for _, scaling in gargs.layer_rope:
         if rope_type_of(scaling) not in SUPPORTED_ROPE_TYPES:
-            raise ModelLoadError(f"Unsupported rope scaling {rope_type_of(scaling)!r}; "
-                                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+            raise ModelLoadError(
+                f"Unsupported rope scaling {rope_type_of(scaling)!r}; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+            )
     try:
         return _without_init(lambda: GemmaForCausalLM(gargs))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"Bad rope settings in {path / 'config.json'}: {exc}") from exc
 
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
-                   "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+)
 
 
 def _without_init(factory: Callable[[], _M]) -> _M:
@@ -289,7 +303,7 @@ def load_weights(model: nn.Module, weight_map: WeightMap, path: Path, dtype: tor
             for src in sources:
                 name = src.name
                 if name not in where and name.startswith("transformer."):
-                    name = name[len("transformer."):]  # original GPT-2 checkpoints
+                    name = name[len("transformer.") :]  # original GPT-2 checkpoints
                 if name not in where:
                     raise ModelLoadError(
                         f"Tensor {src.name!r} is missing from the weights in {str(path)!r}."

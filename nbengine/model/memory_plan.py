@@ -40,7 +40,13 @@ from nbengine.model.errors import ModelLoadError
 if TYPE_CHECKING:
     from nbengine.config import EngineConfig
 
-__all__ = ["InsufficientMemoryError", "MemoryPlan", "available_memory", "format_bytes", "plan_memory"]
+__all__ = [
+    "InsufficientMemoryError",
+    "MemoryPlan",
+    "available_memory",
+    "format_bytes",
+    "plan_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +99,10 @@ def available_memory() -> int | None:
             return None
     for limit_file, usage_file in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-         "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # cgroup v1
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),  # cgroup v1
     ):
         limit, usage = _read_int(limit_file), _read_int(usage_file)
         if limit is not None and usage is not None and limit < (1 << 60):
@@ -136,8 +144,13 @@ def _safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "wpe.weight")
 
 
-def weights_bytes(files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype,
-                  quantization: str | None = None) -> int:
+def weights_bytes(
+    files: list[Path],
+    cfg: dict[str, Any],
+    arch: str,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+) -> int:
     """Bytes the model's parameters will take at ``dtype``.
 
     With ``quantization``, every linear layer's weight (a 2-D tensor that is not an
@@ -202,13 +215,20 @@ class MemoryPlan:
 
     def summary(self) -> str:
         """One line: weights + KV cache (tokens) of the memory that was free."""
-        free = ("" if self.available_bytes is None
-                else f" of {format_bytes(self.available_bytes)} free")
+        free = (
+            "" if self.available_bytes is None else f" of {format_bytes(self.available_bytes)} free"
+        )
         rope = f" + RoPE tables {format_bytes(self.buffers_bytes)}" if self.buffers_bytes else ""
-        kind = self.dtype if self.quantization is None else f"{self.quantization}, {self.dtype} activations"
-        return (f"weights {format_bytes(self.weights_bytes)} ({kind}){rope} + KV cache "
-                f"{format_bytes(self.kv_cache_bytes)} ({self.kv_tokens} tokens) = "
-                f"{format_bytes(self.total_bytes)}{free}")
+        kind = (
+            self.dtype
+            if self.quantization is None
+            else f"{self.quantization}, {self.dtype} activations"
+        )
+        return (
+            f"weights {format_bytes(self.weights_bytes)} ({kind}){rope} + KV cache "
+            f"{format_bytes(self.kv_cache_bytes)} ({self.kv_tokens} tokens) = "
+            f"{format_bytes(self.total_bytes)}{free}"
+        )
 
 
 def _kv_dims(cfg: dict[str, Any], arch: str, max_len: int) -> tuple[int, int, int, int]:
@@ -281,21 +301,33 @@ def plan_memory(
                 f"sequence: it needs {format_bytes(per_seq * per_block)} "
                 f"({format_bytes(per_block / cache.block_size)} per token, {dtype_name}), and "
                 f"{format_bytes(available)} is free, of which the weights"
-                + (f" and RoPE tables take {format_bytes(fixed)}" if rope else
-                   f" take {format_bytes(fixed)}")
+                + (
+                    f" and RoPE tables take {format_bytes(fixed)}"
+                    if rope
+                    else f" take {format_bytes(fixed)}"
+                )
                 + f" and {_HEADROOM:.0%} is kept for activations. "
                 + _advice(dtype)
             )
-    plan = MemoryPlan(weights, rope, per_block, blocks, cache.block_size, max_model_len, dtype_name,
-                      available, quantization)
+    plan = MemoryPlan(
+        weights,
+        rope,
+        per_block,
+        blocks,
+        cache.block_size,
+        max_model_len,
+        dtype_name,
+        available,
+        quantization,
+    )
     if available is not None and plan.total_bytes > available:
         raise InsufficientMemoryError(
             f"The model does not fit in free memory: weights {format_bytes(weights)} "
-            f"({dtype_name})" + (f" + RoPE tables {format_bytes(rope)}" if rope else "")
+            f"({dtype_name})"
+            + (f" + RoPE tables {format_bytes(rope)}" if rope else "")
             + f" + KV cache {format_bytes(plan.kv_cache_bytes)} ({blocks} blocks "
             f"of {cache.block_size} tokens) = {format_bytes(plan.total_bytes)}, but only "
             f"{format_bytes(available)} is free. " + _advice(dtype)
         )
     logger.info("Memory plan: %s.", plan.summary())
     return plan
-

@@ -24,9 +24,13 @@ class CausalLM(Protocol):
     num_kv_heads: int
     head_dim: int
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
         ...
 

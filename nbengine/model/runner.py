@@ -37,8 +37,9 @@ from nbengine.outputs import PositionLogprobs
 logger = logging.getLogger(__name__)
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes one KV block takes across all layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
@@ -51,8 +52,9 @@ class ModelRunner:
         self.config = config
         plans: list[MemoryPlan] = []
 
-        def plan(files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype,
-                 max_len: int) -> None:
+        def plan(
+            files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype, max_len: int
+        ) -> None:
             plans.append(plan_memory(config, files, cfg, arch, dtype, max_len))
 
         # Weights + KV cache are checked against free memory before any weight is loaded.
@@ -60,8 +62,11 @@ class ModelRunner:
         self.memory_plan: MemoryPlan = plans[0]
         self.loaded = loaded
         self.model: CausalLM = loaded.model
-        if (loaded.model is not None and loaded.dtype == torch.bfloat16
-                and config.model.quantization is None):
+        if (
+            loaded.model is not None
+            and loaded.dtype == torch.bfloat16
+            and config.model.quantization is None
+        ):
             # Prepacked oneDNN weights: exact vs F.linear, 1.5-2x faster on CPU (ops/linear.py).
             n_packed = pack_linears(loaded.model, config.scheduler.max_num_seqs)
             logger.info("Packed %d bfloat16 linear layers for oneDNN.", n_packed)
@@ -75,8 +80,9 @@ class ModelRunner:
         self.kv_sliding_window: int | None = loaded.kv_sliding_window
 
         m = self.model
-        per_block = kv_block_bytes(m.num_layers, self.block_size, m.num_kv_heads, m.head_dim,
-                                   self.dtype)
+        per_block = kv_block_bytes(
+            m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype
+        )
         # The plan sized the pool from config.json; the built model must agree with it.
         assert per_block == self.memory_plan.kv_block_bytes, "memory plan disagrees with the model"
         n_blocks = self.memory_plan.num_kv_blocks
@@ -90,8 +96,13 @@ class ModelRunner:
         self.sampler = Sampler(config.model.seed, config.model.logprobs_mode)
         logger.info(
             "Loaded %s from %s (%s, max_model_len=%d); KV cache: %d blocks of %d tokens (%.1f MiB).",
-            loaded.architecture, loaded.path, self.dtype, self.max_model_len, n_blocks,
-            self.block_size, n_blocks * per_block / (1 << 20),
+            loaded.architecture,
+            loaded.path,
+            self.dtype,
+            self.max_model_len,
+            n_blocks,
+            self.block_size,
+            n_blocks * per_block / (1 << 20),
         )
 
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -120,7 +131,7 @@ class ModelRunner:
             assert c.sample == (end == req.num_tokens), "sample flag disagrees with chunk end"
             assert len(c.block_table) * bs >= end, "block table too short for the chunk"
             assert end <= self.max_model_len, "chunk beyond max_model_len"
-            ids.extend(req.all_token_ids[c.start_pos:end])
+            ids.extend(req.all_token_ids[c.start_pos : end])
             positions.extend(range(c.start_pos, end))
             specs.append(ChunkSpec(c.start_pos, c.num_tokens, c.block_table))
             if c.sample:

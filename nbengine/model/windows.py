@@ -36,7 +36,11 @@ def layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> list[str]:
     if arch == "SmolLM3ForCausalLM":
         rope = rope_layers(cfg, arch, num_layers)
         return [full if rope[i] else sliding for i in range(num_layers)]
-    return [sliding] * num_layers if arch in ("MistralForCausalLM", "Phi3ForCausalLM") else [full] * num_layers
+    return (
+        [sliding] * num_layers
+        if arch in ("MistralForCausalLM", "Phi3ForCausalLM")
+        else [full] * num_layers
+    )
 
 
 def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
@@ -47,8 +51,9 @@ def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int 
     # Qwen2/Qwen3/SmolLM3 configs carry a sliding_window they use only when told to.
     if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
         return (None,) * num_layers
-    return tuple(window if t == "sliding_attention" else None
-                 for t in layer_types(cfg, arch, num_layers))
+    return tuple(
+        window if t == "sliding_attention" else None for t in layer_types(cfg, arch, num_layers)
+    )
 
 
 def rope_layers(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[bool, ...]:

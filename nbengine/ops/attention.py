@@ -102,11 +102,14 @@ class AttentionMetadata:
     device: torch.device | str = "cpu"
     # SDPA-path inputs per attention window (None = full attention), built on first use.
     _decode_groups: dict[int | None, list[DecodeGroup]] = field(
-        default_factory=dict, init=False, repr=False)
+        default_factory=dict, init=False, repr=False
+    )
     _prefills: dict[int | None, list[PrefillMeta]] = field(
-        default_factory=dict, init=False, repr=False)
+        default_factory=dict, init=False, repr=False
+    )
     _token_tables: tuple[torch.Tensor | None, torch.Tensor | None] | None = field(
-        default=None, init=False, repr=False)
+        default=None, init=False, repr=False
+    )
     _max_seq_len: int | None = field(default=None, init=False, repr=False)
 
     @property
@@ -132,7 +135,8 @@ class AttentionMetadata:
         groups = self._decode_groups.get(window)
         if groups is None:
             groups = self._decode_groups[window] = _decode_groups(
-                self.chunks[: self.num_decodes], self.block_size, self.device, window)
+                self.chunks[: self.num_decodes], self.block_size, self.device, window
+            )
         return groups
 
     @property
@@ -145,7 +149,8 @@ class AttentionMetadata:
         metas = self._prefills.get(window)
         if metas is None:
             metas = self._prefills[window] = _prefill_metas(
-                self.chunks, self.num_decodes, self.block_size, self.device, window)
+                self.chunks, self.num_decodes, self.block_size, self.device, window
+            )
         return metas
 
     @property
@@ -175,8 +180,9 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
     return block_table[positions // block_size] * block_size + positions % block_size
 
 
-def _length_groups(n_blocks: Sequence[int], min_group: int = 8, ratio: float = 0.6
-                   ) -> list[list[int]]:
+def _length_groups(
+    n_blocks: Sequence[int], min_group: int = 8, ratio: float = 0.6
+) -> list[list[int]]:
     """Split decode indices, longest first, into groups of similar block counts.
 
     A new group starts when a decode needs fewer than ``ratio`` times the blocks of its
@@ -186,16 +192,18 @@ def _length_groups(n_blocks: Sequence[int], min_group: int = 8, ratio: float = 0
     order = sorted(range(len(n_blocks)), key=lambda i: -n_blocks[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and (len(groups[-1]) < min_group
-                       or n_blocks[i] >= ratio * n_blocks[groups[-1][0]]):
+        if groups and (
+            len(groups[-1]) < min_group or n_blocks[i] >= ratio * n_blocks[groups[-1][0]]
+        ):
             groups[-1].append(i)
         else:
             groups.append([i])
     return [sorted(g) for g in groups]  # one group == all decodes in batch order
 
 
-def _token_tables(chunks: Sequence[ChunkSpec], block_size: int, device: torch.device | str
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _token_tables(
+    chunks: Sequence[ChunkSpec], block_size: int, device: torch.device | str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One block-table row and key count per token: a chunk's tokens share its table and
     token ``i`` sees ``start_pos + i + 1`` keys (causal over the cache)."""
     if not chunks:
@@ -228,25 +236,35 @@ def build_attention_metadata(
         num_decodes += 1
     assert all(c.num_tokens > 1 for c in chunks[num_decodes:]), "decodes must come first"
     for c in chunks:
-        assert len(c.block_table) * block_size >= c.start_pos + c.num_tokens, "block table too short"
+        assert len(c.block_table) * block_size >= c.start_pos + c.num_tokens, (
+            "block table too short"
+        )
 
     slot_parts: list[torch.Tensor] = []
     if num_decodes:
-        last = [c.block_table[c.start_pos // block_size] * block_size + c.start_pos % block_size
-                for c in chunks[:num_decodes]]
+        last = [
+            c.block_table[c.start_pos // block_size] * block_size + c.start_pos % block_size
+            for c in chunks[:num_decodes]
+        ]
         slot_parts.append(torch.tensor(last, dtype=torch.int64, device=device))
     for c in chunks[num_decodes:]:
         table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
-        new = torch.arange(c.start_pos, c.start_pos + c.num_tokens, dtype=torch.int64,
-                           device=device)
+        new = torch.arange(
+            c.start_pos, c.start_pos + c.num_tokens, dtype=torch.int64, device=device
+        )
         slot_parts.append(_slots(table, new, block_size))
-    slot_mapping = (torch.cat(slot_parts) if slot_parts
-                    else torch.empty(0, dtype=torch.int64, device=device))
+    slot_mapping = (
+        torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64, device=device)
+    )
     return AttentionMetadata(chunks, block_size, slot_mapping, num_decodes, device)
 
 
-def _decode_groups(decodes: Sequence[ChunkSpec], block_size: int, device: torch.device | str,
-                   window: int | None = None) -> list[DecodeGroup]:
+def _decode_groups(
+    decodes: Sequence[ChunkSpec],
+    block_size: int,
+    device: torch.device | str,
+    window: int | None = None,
+) -> list[DecodeGroup]:
     """Decodes grouped by similar context length, with padded block tables and masks.
 
     With a ``window``, each decode's table starts at the block holding its oldest visible
@@ -264,24 +282,33 @@ def _decode_groups(decodes: Sequence[ChunkSpec], block_size: int, device: torch.
         nb = max(n_blks[i] for i in rows)
         padded = [tables[i] + [0] * (nb - len(tables[i])) for i in rows]
         # Positions counted from each row's first gathered block.
-        lo = torch.tensor([firsts[i] - first_blks[i] * block_size for i in rows],
-                          dtype=torch.int64, device=device)
-        hi = torch.tensor([ends[i] - first_blks[i] * block_size for i in rows],
-                          dtype=torch.int64, device=device)
+        lo = torch.tensor(
+            [firsts[i] - first_blks[i] * block_size for i in rows], dtype=torch.int64, device=device
+        )
+        hi = torch.tensor(
+            [ends[i] - first_blks[i] * block_size for i in rows], dtype=torch.int64, device=device
+        )
         pos = torch.arange(nb * block_size, dtype=torch.int64, device=device)
         mask = pos[None, :] < hi[:, None]
         if window is not None:
             mask &= pos[None, :] >= lo[:, None]
-        groups.append(DecodeGroup(
-            rows=torch.tensor(rows, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
-            mask=mask[:, None, None, :],
-        ))
+        groups.append(
+            DecodeGroup(
+                rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+                mask=mask[:, None, None, :],
+            )
+        )
     return groups
 
 
-def _prefill_metas(chunks: Sequence[ChunkSpec], num_decodes: int, block_size: int,
-                   device: torch.device | str, window: int | None = None) -> list[PrefillMeta]:
+def _prefill_metas(
+    chunks: Sequence[ChunkSpec],
+    num_decodes: int,
+    block_size: int,
+    device: torch.device | str,
+    window: int | None = None,
+) -> list[PrefillMeta]:
     """Per prefill chunk: where its queries are and, over a cached prefix, the slots of its
     context and the causal (and, with a ``window``, sliding) mask over it."""
     prefills: list[PrefillMeta] = []
@@ -294,8 +321,9 @@ def _prefill_metas(chunks: Sequence[ChunkSpec], num_decodes: int, block_size: in
         first = max(0, c.start_pos - window + 1) if window is not None else 0
         if c.start_pos > 0:
             table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
-            ctx_slots = _slots(table, torch.arange(first, total, dtype=torch.int64, device=device),
-                               block_size)
+            ctx_slots = _slots(
+                table, torch.arange(first, total, dtype=torch.int64, device=device), block_size
+            )
         if c.start_pos > 0 or windowed:
             # Query i sits at position start_pos + i; key j at position first + j (the
             # fresh K/V alone when there is no cached prefix: then first == start_pos == 0).
@@ -311,7 +339,10 @@ def _prefill_metas(chunks: Sequence[ChunkSpec], num_decodes: int, block_size: in
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store ``k, v [T, Hkv, D]`` into the cache slots ``slot_mapping [T]``."""
@@ -351,13 +382,22 @@ def paged_attention(
     if kernels is not None:
         # Decodes, and prefill chunks over short contexts, in one call. Past
         # NATIVE_PREFILL_MAX_KEYS keys SDPA's matmuls beat re-reading the keys per query.
-        long_prefill = any(c.start_pos + c.num_tokens > NATIVE_PREFILL_MAX_KEYS
-                           for c in meta.chunks[nd:])
+        long_prefill = any(
+            c.start_pos + c.num_tokens > NATIVE_PREFILL_MAX_KEYS for c in meta.chunks[nd:]
+        )
         rows = nd if long_prefill else n_tokens
         assert meta.token_block_tables is not None and meta.token_seq_lens is not None
         if rows:
-            kernels.cached_attention(q[:rows], k_cache, v_cache, meta.token_block_tables[:rows],
-                                     meta.token_seq_lens[:rows], scale, out[:rows], window)
+            kernels.cached_attention(
+                q[:rows],
+                k_cache,
+                v_cache,
+                meta.token_block_tables[:rows],
+                meta.token_seq_lens[:rows],
+                scale,
+                out[:rows],
+                window,
+            )
         if not long_prefill:
             return out
     elif nd:
@@ -407,8 +447,14 @@ def paged_attention(
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            scale: float, softcap: float | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
     """``softmax(mask(cap(q k^T * scale))) v`` over the last two dims (SDPA when uncapped).
 
     ``mask`` is boolean (True = attend) and broadcasts against the scores; the softmax is
@@ -423,13 +469,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(probs, v)
 
 
-def _native_attention(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
-                      ) -> native.NativeKernels | None:
+def _native_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+) -> native.NativeKernels | None:
     """The native kernels if they can run this step's attention, else None."""
     if meta.token_block_tables is None or q.shape[0] == 0:
         return None
-    if not (native.is_bf16_rows(q, k_cache) and k_cache.is_contiguous()
-            and q.stride(1) == q.shape[2]):
+    if not (
+        native.is_bf16_rows(q, k_cache) and k_cache.is_contiguous() and q.stride(1) == q.shape[2]
+    ):
         return None
     n_heads, n_kv, hd = q.shape[1], k_cache.shape[2], q.shape[2]
     if not native.NativeKernels.cached_attention_supports(n_heads, n_kv, hd):

@@ -45,8 +45,9 @@ def packed_linear_supported(dtype: torch.dtype) -> bool:
     if dtype != torch.bfloat16 or os.environ.get("NBENGINE_PACKED_LINEAR", "1") == "0":
         return False
     try:
-        return bool(torch.backends.mkldnn.is_available()
-                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
     except (AttributeError, RuntimeError):
         return False
 
@@ -62,15 +63,18 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         w = linear.weight.detach()
-        self.register_buffer("packed_weight",
-                             torch.ops.mkldnn._reorder_linear_weight(w, batch_size_hint),
-                             persistent=False)
+        self.register_buffer(
+            "packed_weight",
+            torch.ops.mkldnn._reorder_linear_weight(w, batch_size_hint),
+            persistent=False,
+        )
         b = linear.bias
         self.register_buffer("bias", None if b is None else b.detach().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
-                                                  [None], "")
+        return torch.ops.mkldnn._linear_pointwise(
+            x, self.packed_weight, self.bias, "none", [None], ""
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
@@ -84,8 +88,9 @@ class NativeLinear(nn.Module):
     _w: torch.Tensor
     _b: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, kernels: native.NativeKernels,
-                 arena: WeightArena | None = None) -> None:
+    def __init__(
+        self, linear: nn.Linear, kernels: native.NativeKernels, arena: WeightArena | None = None
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -95,8 +100,9 @@ class NativeLinear(nn.Module):
         w = native.pack_linear_weight(linear.weight.detach(), out)
         self.register_buffer("packed_weight", w, persistent=False)
         b = linear.bias
-        self.register_buffer("bias", None if b is None else b.detach().contiguous().clone(),
-                             persistent=False)
+        self.register_buffer(
+            "bias", None if b is None else b.detach().contiguous().clone(), persistent=False
+        )
         # Plain attributes for the per-call path (nn.Module.__getattr__ costs ~1 us a lookup).
         self._w, self._b = self.packed_weight, self.bias
 
@@ -125,10 +131,12 @@ def _agrees(linear: nn.Linear, packed: nn.Module) -> bool:
 
 
 def _bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    return [(parent, name, child)
-            for parent in list(model.modules())
-            for name, child in list(parent.named_children())
-            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
+    return [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
+    ]
 
 
 def pack_linears(model: nn.Module, batch_size_hint: int | None = None) -> int:
@@ -144,8 +152,12 @@ def pack_linears(model: nn.Module, batch_size_hint: int | None = None) -> int:
     make: Callable[[nn.Linear], nn.Module]
     if kernels is not None:
         linears = [(p, n, c) for p, n, c in linears if c.in_features % 2 == 0]  # kernel's limit
-        arena = WeightArena(sum(2 * native.packed_linear_numel(c.out_features, c.in_features) + 64
-                                for _, _, c in linears))
+        arena = WeightArena(
+            sum(
+                2 * native.packed_linear_numel(c.out_features, c.in_features) + 64
+                for _, _, c in linears
+            )
+        )
         make = lambda lin: NativeLinear(lin, kernels, arena)  # noqa: E731
     elif packed_linear_supported(torch.bfloat16):
         make = lambda lin: PackedLinear(lin, batch_size_hint)  # noqa: E731

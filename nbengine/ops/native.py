@@ -45,8 +45,19 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 CFLAGS = (
-    "-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c",
+    "-O3",
+    "-std=gnu11",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mavx512vnni",
+    "-mfma",
+    "-mf16c",
 )
 LIBS = ("-lm",)
 VNNI_TILE = 64  # output features per packed tile (NB_TILE in kernels.c)
@@ -60,8 +71,24 @@ _SIGNATURES: dict[str, list[type]] = {
     "nb_rms_norm_bf16": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "nb_silu_mul_bf16": [_P, _P, _I64, _I64, _INT],
     "nb_rotary_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
-    "nb_cached_attention_bf16": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                                 _I64, _F32, _INT, _I64],
+    "nb_cached_attention_bf16": [
+        _P,
+        _I64,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _F32,
+        _INT,
+        _I64,
+    ],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
     "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
@@ -98,9 +125,15 @@ class NativeKernels:
     def _threads(rows: int) -> int:
         return 1 if rows < SMALL_ROWS else torch.get_num_threads()
 
-    def linear(self, x: torch.Tensor, w_packed: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-               num_threads: int | None = None) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        w_packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        num_threads: int | None = None,
+    ) -> torch.Tensor:
         """``x [M, K] @ W.T (+ bias)`` for a ``W [N, K]`` packed by ``pack_linear_weight``.
 
         ``x`` must be a contiguous bfloat16 matrix with even ``K``; the result is
@@ -113,16 +146,30 @@ class NativeKernels:
             # than waking a sleeping OpenMP worker costs (OMP_WAIT_POLICY=PASSIVE). The
             # decode plan splits a whole step's weights inside one parallel region instead.
             num_threads = 1 if m <= 2 else torch.get_num_threads()
-        self._linear(x.data_ptr(), w_packed.data_ptr(),
-                     None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     m, out_features, k, int(out_dtype == torch.float32), num_threads)
+        self._linear(
+            x.data_ptr(),
+            w_packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            m,
+            out_features,
+            k,
+            int(out_dtype == torch.float32),
+            num_threads,
+        )
         return y
 
-    def linear_quantized(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                         in_features: int, group_size: int | None,
-                         bias: torch.Tensor | None = None,
-                         out_dtype: torch.dtype = torch.bfloat16,
-                         num_threads: int | None = None) -> torch.Tensor:
+    def linear_quantized(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        in_features: int,
+        group_size: int | None,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        num_threads: int | None = None,
+    ) -> torch.Tensor:
         """``x [M, K] @ dequant(W).T (+ bias)`` for weights quantized by ops/quant.py.
 
         int8 (``group_size`` None): ``qweight`` int8 ``[N, Kp]``, ``scales`` float32 ``[N]``.
@@ -139,15 +186,39 @@ class NativeKernels:
         b = None if bias is None else bias.data_ptr()
         f32 = int(out_dtype == torch.float32)
         if group_size is None:
-            self._linear_q8(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), b, y.data_ptr(),
-                            m, n, in_features, kp, f32, num_threads)
+            self._linear_q8(
+                x.data_ptr(),
+                qweight.data_ptr(),
+                scales.data_ptr(),
+                b,
+                y.data_ptr(),
+                m,
+                n,
+                in_features,
+                kp,
+                f32,
+                num_threads,
+            )
         else:
-            self._linear_q4(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), b, y.data_ptr(),
-                            m, n, in_features, kp, group_size, f32, num_threads)
+            self._linear_q4(
+                x.data_ptr(),
+                qweight.data_ptr(),
+                scales.data_ptr(),
+                b,
+                y.data_ptr(),
+                m,
+                n,
+                in_features,
+                kp,
+                group_size,
+                f32,
+                num_threads,
+            )
         return y
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of ``x [M, H]`` (or of ``x + add``): returns ``(normed, residual)``.
 
         ``residual`` is ``x + add`` rounded to bfloat16 (``x`` itself when ``add`` is None).
@@ -156,8 +227,17 @@ class NativeKernels:
         m, h = x.shape
         out = torch.empty_like(x)
         residual = x if add is None else torch.empty_like(x)
-        self._rms_norm(x.data_ptr(), None if add is None else add.data_ptr(), weight.data_ptr(),
-                       out.data_ptr(), residual.data_ptr(), m, h, eps, self._threads(m))
+        self._rms_norm(
+            x.data_ptr(),
+            None if add is None else add.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            residual.data_ptr(),
+            m,
+            h,
+            eps,
+            self._threads(m),
+        )
         return out, residual
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -167,17 +247,35 @@ class NativeKernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, self._threads(m))
         return out
 
-    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def rotary_(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """Rotate ``x [T, H, D]`` in place (rows may be strided; heads contiguous)."""
         t, h, d = x.shape
-        self._rotary(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     t, h, d, x.stride(0), self._threads(t))
+        self._rotary(
+            x.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            t,
+            h,
+            d,
+            x.stride(0),
+            self._threads(t),
+        )
         return x
 
-    def cached_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         out: torch.Tensor, window: int | None = None) -> None:
+    def cached_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        window: int | None = None,
+    ) -> None:
         """Attention of ``B`` query tokens over the paged cache into ``out [B, Hq, D]``.
 
         Row ``b`` attends to the first ``seq_lens[b]`` keys of the blocks in
@@ -190,10 +288,24 @@ class NativeKernels:
         _, block_size, hkv, _ = k_cache.shape
         keys = int(block_tables.shape[1]) * block_size * b * hkv
         threads = 1 if keys < 8192 else torch.get_num_threads()
-        self._cached_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                               block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                               b, hq, hkv, d, block_size, block_tables.shape[1], scale, threads,
-                               window or 0)
+        self._cached_attention(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            b,
+            hq,
+            hkv,
+            d,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            threads,
+            window or 0,
+        )
 
     def argmax(self, x: torch.Tensor) -> list[int]:
         """``x.argmax(dim=-1).tolist()`` for a contiguous float32 ``[N, V]`` (same ties, NaNs)."""
@@ -210,8 +322,9 @@ class NativeKernels:
 
 def is_bf16_rows(*tensors: torch.Tensor) -> bool:
     """True if every tensor is a CPU bfloat16 tensor with a contiguous last dimension."""
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1
-               for t in tensors)
+    return all(
+        t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors
+    )
 
 
 def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -293,10 +406,13 @@ def _cache_dir() -> Path:
 
 def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(CFLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(CFLAGS + LIBS).encode() + version.encode()).hexdigest()[
+        :16
+    ]
     target = _cache_dir() / f"nbengine_kernels_{key}.so"
     if target.exists():
         problem = _cached_library_problem(target, key)
@@ -309,8 +425,12 @@ def _build() -> Path:
     fd, tmp_sum = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), *LIBS, "-o", tmp],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), *LIBS, "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)

@@ -97,8 +97,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return packed, torch.stack([scale, zero], dim=-1).contiguous()
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, in_features: int,
-               group_size: int | None) -> torch.Tensor:
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int | None
+) -> torch.Tensor:
     """The float32 ``[N, in_features]`` weight that ``qweight`` and ``scales`` stand for."""
     if group_size is None:
         return qweight[:, :in_features].float() * scales[:, None]
@@ -118,10 +119,15 @@ def quantize_rows_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x * inv[:, None]).clamp_(-32768, 32767), amax / 32767.0
 
 
-def linear_quantized_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                               in_features: int, group_size: int | None,
-                               bias: torch.Tensor | None = None,
-                               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear_quantized_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    in_features: int,
+    group_size: int | None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``x [..., K] @ dequant(W).T (+ bias)`` in float32, rounded to ``out_dtype``.
 
     ``out_dtype`` None: the dtype of ``x``. Dequantizes ``_REF_ROWS`` output rows at a time.
@@ -134,8 +140,7 @@ def linear_quantized_reference(x: torch.Tensor, qweight: torch.Tensor, scales: t
     n = qweight.shape[0]
     y = torch.empty(xf.shape[0], n, dtype=torch.float32)
     bf16 = x.dtype == torch.bfloat16
-    tiled = (bf16 and group_size is not None and xf.shape[0] >= TILE_ROWS
-             and in_features % 2 == 0)
+    tiled = bf16 and group_size is not None and xf.shape[0] >= TILE_ROWS and in_features % 2 == 0
     x_int16 = bf16 and not tiled
     if x_int16:
         xq, sx = quantize_rows_int16(xf)
@@ -171,7 +176,9 @@ class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, mode: str) -> None:
         super().__init__()
         if mode not in QUANTIZATION_MODES:
-            raise ValueError(f"quantization must be one of {tuple(QUANTIZATION_MODES)}, got {mode!r}.")
+            raise ValueError(
+                f"quantization must be one of {tuple(QUANTIZATION_MODES)}, got {mode!r}."
+            )
         self.mode = mode
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -184,11 +191,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", q, persistent=False)
         self.register_buffer("scales", s, persistent=False)
         b = linear.bias
-        self.register_buffer("bias", None if b is None else b.detach().contiguous().clone(),
-                             persistent=False)
+        self.register_buffer(
+            "bias", None if b is None else b.detach().contiguous().clone(), persistent=False
+        )
         # The native kernels take bfloat16 inputs; float32 models use the torch reference.
-        self._kernels = (native.kernels() if w.dtype == torch.bfloat16 and _native_enabled()
-                         else None)
+        self._kernels = (
+            native.kernels() if w.dtype == torch.bfloat16 and _native_enabled() else None
+        )
         self._q, self._s, self._b = self.qweight, self.scales, self.bias
 
     @property
@@ -205,22 +214,26 @@ class QuantLinear(nn.Module):
         """``x [..., in_features]`` -> ``[..., out_features]`` (``out_dtype`` None: x's)."""
         kernels = self._kernels
         if kernels is None or x.dtype != torch.bfloat16:
-            return linear_quantized_reference(x, self._q, self._s, self.in_features,
-                                              self.group_size, self._b, out_dtype)
+            return linear_quantized_reference(
+                x, self._q, self._s, self.in_features, self.group_size, self._b, out_dtype
+            )
         out = out_dtype or torch.bfloat16
         if x.dim() == 2 and x.is_contiguous():
-            return kernels.linear_quantized(x, self._q, self._s, self.in_features,
-                                            self.group_size, self._b, out)
+            return kernels.linear_quantized(
+                x, self._q, self._s, self.in_features, self.group_size, self._b, out
+            )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        y = kernels.linear_quantized(x2, self._q, self._s, self.in_features, self.group_size,
-                                     self._b, out)
+        y = kernels.linear_quantized(
+            x2, self._q, self._s, self.in_features, self.group_size, self._b, out
+        )
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         path = "native" if self.is_native else "torch reference"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.mode}, {path}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}, {path}"
+        )
 
 
 def quantize_linears(model: nn.Module, mode: str) -> int:
@@ -231,10 +244,12 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {tuple(QUANTIZATION_MODES)}, got {mode!r}.")
-    targets = [(parent, name, child)
-               for parent in list(model.modules())
-               for name, child in list(parent.named_children())
-               if type(child) is nn.Linear]
+    targets = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if type(child) is nn.Linear
+    ]
     for parent, name, child in targets:
         setattr(parent, name, QuantLinear(child, mode))
     logger.info("Quantized %d linear layers to %s.", len(targets), mode)

@@ -44,7 +44,7 @@ def banned_by_bad_words(bad_words: Sequence[Sequence[int]], output_ids: Sequence
         k = len(word) - 1
         if k > n_out:
             continue
-        if k == 0 or list(output_ids[n_out - k:]) == list(word[:k]):
+        if k == 0 or list(output_ids[n_out - k :]) == list(word[:k]):
             banned.append(word[-1])
     return banned
 
@@ -59,8 +59,11 @@ def apply_request_processors(logits: torch.Tensor, requests: Sequence[Request]) 
             keep[[t for t in p.allowed_token_ids if t < vocab]] = False
             logits[i].masked_fill_(keep, float("-inf"))
         if p.bad_words_token_ids:
-            banned = [t for t in banned_by_bad_words(p.bad_words_token_ids, req.output_token_ids)
-                      if t < vocab]
+            banned = [
+                t
+                for t in banned_by_bad_words(p.bad_words_token_ids, req.output_token_ids)
+                if t < vocab
+            ]
             if banned:
                 logits[i, banned] = float("-inf")
         if p.logits_processors and req.error is None:

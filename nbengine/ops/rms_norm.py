@@ -32,8 +32,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + residual`` (in the model's dtype), then ``(rms_norm(residual), residual)``.
 
     One pass in the native kernel; the torch path computes exactly the same two steps.
@@ -58,7 +59,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: the residual add fused with the norm."""
         return add_rms_norm(x, residual, self.weight, self.eps)

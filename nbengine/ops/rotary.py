@@ -49,8 +49,11 @@ def rope_inv_freq(
 
 
 def rope_parameters(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
-    max_positions: int | None = None, model_max_positions: int | None = None,
+    head_dim: int,
+    theta: float,
+    scaling: dict[str, Any] | None = None,
+    max_positions: int | None = None,
+    model_max_positions: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """``(inv_freq [head_dim // 2] float32, attention_factor)`` for ``scaling``.
 
@@ -93,18 +96,20 @@ def rope_parameters(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(f"Unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}.")
+    raise ValueError(
+        f"Unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}."
+    )
 
 
-def _dynamic_ntk(dim: int, theta: float, factor: float, ref_len: int, seq_len: int
-                 ) -> torch.Tensor:
+def _dynamic_ntk(dim: int, theta: float, factor: float, ref_len: int, seq_len: int) -> torch.Tensor:
     """NTK-aware base rescaling for a sequence of ``seq_len`` > ``ref_len`` positions."""
     base = theta * ((factor * seq_len / ref_len) - (factor - 1)) ** (dim / (dim - 2))
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
 
 
-def _yarn(dim: int, theta: float, scaling: dict[str, Any], model_max_positions: int | None
-          ) -> tuple[torch.Tensor, float]:
+def _yarn(
+    dim: int, theta: float, scaling: dict[str, Any], model_max_positions: int | None
+) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate the low frequencies by ``factor``, keep the high ones, ramp between."""
     orig = float(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor")
@@ -136,18 +141,27 @@ def _yarn(dim: int, theta: float, scaling: dict[str, Any], model_max_positions: 
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
     extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, float(attention)
 
 
-def _longrope(dim: int, theta: float, scaling: dict[str, Any], max_positions: int | None,
-              model_max_positions: int | None) -> tuple[torch.Tensor, float]:
+def _longrope(
+    dim: int,
+    theta: float,
+    scaling: dict[str, Any],
+    max_positions: int | None,
+    model_max_positions: int | None,
+) -> tuple[torch.Tensor, float]:
     """LongRoPE: per-frequency divisors, long ones when the served context exceeds the
     original one (see the module docstring), and an attention factor."""
     orig = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor")
     if factor is None:
-        assert model_max_positions is not None, "longrope without factor needs max_position_embeddings"
+        assert model_max_positions is not None, (
+            "longrope without factor needs max_position_embeddings"
+        )
         factor = model_max_positions / orig
     factor = float(factor)
     attention = scaling.get("attention_factor")
@@ -156,14 +170,17 @@ def _longrope(dim: int, theta: float, scaling: dict[str, Any], max_positions: in
     long = max_positions is not None and max_positions > orig
     ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
     if ext.shape != (dim // 2,):
-        raise ValueError(f"longrope factors must have rotary_dim / 2 = {dim // 2} entries, "
-                         f"got {tuple(ext.shape)}.")
+        raise ValueError(
+            f"longrope factors must have rotary_dim / 2 = {dim // 2} entries, "
+            f"got {tuple(ext.shape)}."
+        )
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (ext * theta**shape), float(attention)
 
 
-def with_original_length(scaling: dict[str, Any] | None, cfg: dict[str, Any]
-                         ) -> dict[str, Any] | None:
+def with_original_length(
+    scaling: dict[str, Any] | None, cfg: dict[str, Any]
+) -> dict[str, Any] | None:
     """``scaling`` with the ``original_max_position_embeddings`` transformers would use.
 
     For ``llama3``, ``yarn`` and ``longrope``, a top-level config field of that name wins
@@ -175,7 +192,9 @@ def with_original_length(scaling: dict[str, Any] | None, cfg: dict[str, Any]
     top = cfg.get("original_max_position_embeddings")
     if top is not None:
         return {**scaling, "original_max_position_embeddings": top}
-    if scaling.get("original_max_position_embeddings") is None and cfg.get("max_position_embeddings"):
+    if scaling.get("original_max_position_embeddings") is None and cfg.get(
+        "max_position_embeddings"
+    ):
         return {**scaling, "original_max_position_embeddings": cfg["max_position_embeddings"]}
     return scaling
 
@@ -242,7 +261,8 @@ class RotaryEmbedding(nn.Module):
         # reference kernels, which import torch._dynamo (seconds per process).
         with torch.device("cpu"):
             inv_freq, attention = rope_parameters(
-                self.rotary_dim, theta, scaling, max_positions, model_max_positions)
+                self.rotary_dim, theta, scaling, max_positions, model_max_positions
+            )
             t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
             freqs = torch.outer(t, inv_freq)
             cos, sin = freqs.cos(), freqs.sin()
@@ -269,7 +289,9 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]``; computed in float32, cast back."""
         cos, sin = self._tables(positions)
         if self.rotary_dim != self.head_dim:
-            return _rotate_partial(q, cos, sin, self.rotary_dim), _rotate_partial(k, cos, sin, self.rotary_dim)
+            return _rotate_partial(q, cos, sin, self.rotary_dim), _rotate_partial(
+                k, cos, sin, self.rotary_dim
+            )
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -281,9 +303,14 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim != self.head_dim:
             cos, sin = self._tables(positions)
             return _rotate_partial(x, cos, sin, self.rotary_dim)
-        if (x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                and positions.dtype == torch.int64 and positions.is_contiguous()
-                and self.cos.dtype == torch.float32):
+        if (
+            x.dtype == torch.bfloat16
+            and x.stride(2) == 1
+            and x.stride(1) == x.shape[2]
+            and positions.dtype == torch.int64
+            and positions.is_contiguous()
+            and self.cos.dtype == torch.float32
+        ):
             k = native.kernels()
             if k is not None:
                 return k.rotary_(x, positions, self.cos, self.sin)
@@ -299,7 +326,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)
 
 
-def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
-                    ) -> torch.Tensor:
+def _rotate_partial(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
     """Rotate the first ``rotary_dim`` channels of each head, pass the others through."""
     return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)

@@ -95,7 +95,9 @@ def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) 
             items = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
             if items:
                 idx = torch.tensor([t for t, _ in items], dtype=torch.int64)
-                logits[i].index_add_(0, idx, torch.tensor([b for _, b in items], dtype=logits.dtype))
+                logits[i].index_add_(
+                    0, idx, torch.tensor([b for _, b in items], dtype=logits.dtype)
+                )
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
             pen_rows.append(i)
     if not pen_rows:
@@ -203,7 +205,8 @@ def _sample_rows(
         vals = vals.masked_fill(beyond, float("-inf"))
         mass = probs.sum(-1).tolist()
         settled = [
-            j for j, i in enumerate(pending)
+            j
+            for j, i in enumerate(pending)
             if ks[i] <= width or (ks[i] == vocab and tops[i] < 1.0 and mass[j] >= tops[i])
         ]
         if not settled:
@@ -254,15 +257,19 @@ class Sampler:
 
         x = logits  # the processed logits (the model's own on the fast path)
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if (not constrained and all(p.greedy for p in params)
-                and not any(_needs_processing(r) for r in requests)):
+        if (
+            not constrained
+            and all(p.greedy for p in params)
+            and not any(_needs_processing(r) for r in requests)
+        ):
             tokens = _argmax_rows(logits)  # fast path: no per-row work
         else:
             x = logits.clone()
             if constrained:
                 # Structured outputs: only the tokens each row's grammar allows remain.
-                bitmask = torch.empty(len(constrained), bitmask_words(x.shape[1]),
-                                      dtype=torch.int32)
+                bitmask = torch.empty(
+                    len(constrained), bitmask_words(x.shape[1]), dtype=torch.int32
+                )
                 for j, i in enumerate(constrained):
                     grammar = requests[i].grammar
                     assert grammar is not None
@@ -294,8 +301,9 @@ class Sampler:
                     tokens[i] = picked[j]
 
         if want_lp and raw is None:  # processed_*: after the request's logits processing
-            temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                                dtype=x.dtype)[:, None]
+            temp = torch.tensor(
+                [p.temperature if not p.greedy else 1.0 for p in params], dtype=x.dtype
+            )[:, None]
             processed = (x / temp)[want_lp]
             raw = processed.log_softmax(dim=-1) if mode == "processed_logprobs" else processed
         lps: list[PositionLogprobs | None] = [None] * len(requests)

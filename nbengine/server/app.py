@@ -48,8 +48,9 @@ def _error(exc: P.ProtocolError) -> JSONResponse:
 class _ServerState:
     """What the routes share: the engine, the served name, the key, the live handles."""
 
-    def __init__(self, engine: Any, model_name: str, api_key: str | None,
-                 limits: ServerLimits) -> None:
+    def __init__(
+        self, engine: Any, model_name: str, api_key: str | None, limits: ServerLimits
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key.encode("utf-8") if api_key is not None else None
@@ -66,32 +67,41 @@ class _ServerState:
         given = token.strip().encode("utf-8") if scheme.lower() == "bearer" else b""
         # Constant time: the comparison does not stop at the first differing byte.
         if not hmac.compare_digest(given, self.api_key):
-            raise P.ProtocolError(401, "Incorrect or missing API key (Authorization: Bearer ...).",
-                                  code="invalid_api_key")
+            raise P.ProtocolError(
+                401,
+                "Incorrect or missing API key (Authorization: Bearer ...).",
+                code="invalid_api_key",
+            )
 
     def check_alive(self) -> None:
         if not self.engine.is_alive:
-            raise P.ProtocolError(503, "The engine is not running.", type="server_error",
-                                  code="engine_dead")
+            raise P.ProtocolError(
+                503, "The engine is not running.", type="server_error", code="engine_dead"
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise P.ProtocolError(404, f"The model {model!r} does not exist; this server "
-                                       f"serves {self.model_name!r}.",
-                                  param="model", code="model_not_found")
+            raise P.ProtocolError(
+                404,
+                f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
 
     async def read_json(self, request: Request) -> Any:
         limit = self.limits.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise P.ProtocolError(413, f"The request body exceeds {limit} bytes.",
-                                  code="request_too_large")
+            raise P.ProtocolError(
+                413, f"The request body exceeds {limit} bytes.", code="request_too_large"
+            )
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                raise P.ProtocolError(413, f"The request body exceeds {limit} bytes.",
-                                      code="request_too_large")
+                raise P.ProtocolError(
+                    413, f"The request body exceeds {limit} bytes.", code="request_too_large"
+                )
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -103,8 +113,11 @@ class _ServerState:
         if given is None:
             rid = f"{prefix}-{uuid.uuid4().hex}"
         elif not _REQUEST_ID_RE.match(given):
-            raise P.ProtocolError(400, "X-Request-Id must be 1-128 characters of letters, "
-                                       "digits and . _ : -", param="X-Request-Id")
+            raise P.ProtocolError(
+                400,
+                "X-Request-Id must be 1-128 characters of letters, digits and . _ : -",
+                param="X-Request-Id",
+            )
         else:
             rid = given
         return rid, SOURCE_PREFIX + rid
@@ -114,8 +127,9 @@ class _ServerState:
         try:
             handle = start()
         except RequestIdInUseError as exc:
-            raise P.ProtocolError(409, str(exc), param="X-Request-Id",
-                                  code="request_id_in_use") from None
+            raise P.ProtocolError(
+                409, str(exc), param="X-Request-Id", code="request_id_in_use"
+            ) from None
         except EngineDeadError as exc:
             raise P.ProtocolError(503, str(exc), type="server_error", code="engine_dead") from None
         except (ValueError, TypeError) as exc:
@@ -133,13 +147,17 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, state: _ServerState, handle: RequestHandle,
-                 events: AsyncIterator[str]) -> None:
+    def __init__(
+        self, state: _ServerState, handle: RequestHandle, events: AsyncIterator[str]
+    ) -> None:
         # Not Response.__init__: it would declare a Content-Length for the empty body.
         self.status_code = 200
         self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         self._state = state
         self._handle = handle
         self._events = events
@@ -148,17 +166,28 @@ class _EventStream(Response):
         handle = self._handle
         try:
             async with anyio.create_task_group() as tg:
+
                 async def watch() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass
                     tg.cancel_scope.cancel()  # the client left: stop streaming
 
                 tg.start_soon(watch)
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": self.status_code,
+                        "headers": self.raw_headers,
+                    }
+                )
                 async for event in self._events:
-                    await send({"type": "http.response.body", "body": event.encode("utf-8"),
-                                "more_body": True})
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": event.encode("utf-8"),
+                            "more_body": True,
+                        }
+                    )
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
         except OSError:  # the connection broke while sending
@@ -186,13 +215,15 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _await_final(state: _ServerState, request: Request, handle: RequestHandle
-                       ) -> RequestOutput | None:
+async def _await_final(
+    state: _ServerState, request: Request, handle: RequestHandle
+) -> RequestOutput | None:
     """The final output, or None if the client disconnected first (then the request
     was aborted with confirmation)."""
     box: list[RequestOutput] = []
     try:
         async with anyio.create_task_group() as tg:
+
             async def watch() -> None:
                 while (await request.receive())["type"] != "http.disconnect":
                     pass
@@ -212,9 +243,14 @@ async def _await_final(state: _ServerState, request: Request, handle: RequestHan
 # ---------------------------------------------------------------------- routes
 
 
-def build_app(engine: Any, model_name: str, api_key: str | None = None, *,
-              chat_template: str | None = None,
-              limits: ServerLimits | None = None) -> Starlette:
+def build_app(
+    engine: Any,
+    model_name: str,
+    api_key: str | None = None,
+    *,
+    chat_template: str | None = None,
+    limits: ServerLimits | None = None,
+) -> Starlette:
     """The ASGI app serving ``engine`` as ``model_name`` (see the module docstring).
     ``chat_template`` (Jinja source or a template name) replaces the model's own for
     /v1/chat/completions, as vLLM's ``--chat-template`` does."""
@@ -226,15 +262,29 @@ def build_app(engine: Any, model_name: str, api_key: str | None = None, *,
             state.check_key(request)
         except P.ProtocolError as exc:
             return _error(exc)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": P.now(), "owned_by": "nbengine",
-             "max_model_len": getattr(engine, "max_model_len", None)}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": P.now(),
+                        "owned_by": "nbengine",
+                        "max_model_len": getattr(engine, "max_model_len", None),
+                    }
+                ],
+            }
+        )
 
     async def health(request: Request) -> Response:
         if engine.is_alive:
             return Response(status_code=200)
-        return _error(P.ProtocolError(503, "The engine is not running.", type="server_error",
-                                      code="engine_dead"))
+        return _error(
+            P.ProtocolError(
+                503, "The engine is not running.", type="server_error", code="engine_dead"
+            )
+        )
 
     async def completions(request: Request) -> Response:
         try:
@@ -245,12 +295,18 @@ def build_app(engine: Any, model_name: str, api_key: str | None = None, *,
             prompt = req.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 if len(prompt) != 1:
-                    raise P.ProtocolError(400, "prompt: one prompt per request (send one "
-                                               "request per prompt).", param="prompt")
+                    raise P.ProtocolError(
+                        400,
+                        "prompt: one prompt per request (send one request per prompt).",
+                        param="prompt",
+                    )
                 prompt = prompt[0]
-            params = P.to_sampling_params(req, defaults=engine.get_default_sampling_params(),
-                                          max_tokens_limit=state.limits.max_tokens,
-                                          stream_interval=state.limits.stream_interval)
+            params = P.to_sampling_params(
+                req,
+                defaults=engine.get_default_sampling_params(),
+                max_tokens_limit=state.limits.max_tokens,
+                stream_interval=state.limits.stream_interval,
+            )
             rid, engine_id = state.request_id(request, "cmpl")
             handle = state.start(lambda: engine.generate(prompt, params, request_id=engine_id))
         except P.ProtocolError as exc:
@@ -258,21 +314,30 @@ def build_app(engine: Any, model_name: str, api_key: str | None = None, *,
         created = P.now()
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if req.stream:
-            return _EventStream(state, handle, _completion_events(
-                handle, head, tokenizer, req.stream_options))
+            return _EventStream(
+                state, handle, _completion_events(handle, head, tokenizer, req.stream_options)
+            )
         final = await _await_final(state, request, handle)
         if final is None:
             return Response(status_code=499)
         if final.error is not None:
-            return _error(P.ProtocolError(503, final.error, type="server_error",
-                                          code="engine_dead"))
-        choices = [{"index": c.index, "text": c.text,
-                    "logprobs": P.completion_logprobs(tokenizer, c, 0),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in final.outputs]
+            return _error(
+                P.ProtocolError(503, final.error, type="server_error", code="engine_dead")
+            )
+        choices = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": P.completion_logprobs(tokenizer, c, 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
         n_out = sum(len(c.token_ids) for c in final.outputs)
-        return JSONResponse({**head, "choices": choices,
-                             "usage": P.usage(len(final.prompt_token_ids), n_out)})
+        return JSONResponse(
+            {**head, "choices": choices, "usage": P.usage(len(final.prompt_token_ids), n_out)}
+        )
 
     async def chat_completions(request: Request) -> Response:
         try:
@@ -280,38 +345,62 @@ def build_app(engine: Any, model_name: str, api_key: str | None = None, *,
             req = P.parse_request(P.ChatCompletionRequest, await state.read_json(request))
             state.check_model(req.model)
             state.check_alive()
-            params = P.to_sampling_params(req, defaults=engine.get_default_sampling_params(),
-                                          max_tokens_limit=state.limits.max_tokens,
-                                          stream_interval=state.limits.stream_interval)
+            params = P.to_sampling_params(
+                req,
+                defaults=engine.get_default_sampling_params(),
+                max_tokens_limit=state.limits.max_tokens,
+                stream_interval=state.limits.stream_interval,
+            )
             messages = [P.chat_content(m) for m in req.messages]
             rid, engine_id = state.request_id(request, "chatcmpl")
-            handle = state.start(lambda: engine.chat(
-                messages, params, request_id=engine_id, chat_template=chat_template,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs))
+            handle = state.start(
+                lambda: engine.chat(
+                    messages,
+                    params,
+                    request_id=engine_id,
+                    chat_template=chat_template,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                )
+            )
         except P.ProtocolError as exc:
             return _error(exc)
         top_n = req.top_logprobs or 0
         head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": model_name}
         if req.stream:
-            return _EventStream(state, handle, _chat_events(
-                handle, {**head, "object": "chat.completion.chunk"}, tokenizer, top_n,
-                req.stream_options))
+            return _EventStream(
+                state,
+                handle,
+                _chat_events(
+                    handle,
+                    {**head, "object": "chat.completion.chunk"},
+                    tokenizer,
+                    top_n,
+                    req.stream_options,
+                ),
+            )
         final = await _await_final(state, request, handle)
         if final is None:
             return Response(status_code=499)
         if final.error is not None:
-            return _error(P.ProtocolError(503, final.error, type="server_error",
-                                          code="engine_dead"))
-        choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": P.chat_logprobs(tokenizer, c, top_n) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in final.outputs]
+            return _error(
+                P.ProtocolError(503, final.error, type="server_error", code="engine_dead")
+            )
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": P.chat_logprobs(tokenizer, c, top_n) if req.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
         n_out = sum(len(c.token_ids) for c in final.outputs)
-        return JSONResponse({**head, "choices": choices,
-                             "usage": P.usage(len(final.prompt_token_ids), n_out)})
+        return JSONResponse(
+            {**head, "choices": choices, "usage": P.usage(len(final.prompt_token_ids), n_out)}
+        )
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
@@ -352,31 +441,43 @@ def _prefix(head: dict[str, Any]) -> str:
 def _plain(out: RequestOutput, want_logprobs: bool) -> bool:
     """True for an output that is one unfinished choice without logprobs (most chunks),
     which the streams write from a template rather than through a dict."""
-    return (not out.finished and out.error is None and len(out.outputs) == 1
-            and not want_logprobs and out.outputs[0].finish_reason is None)
+    return (
+        not out.finished
+        and out.error is None
+        and len(out.outputs) == 1
+        and not want_logprobs
+        and out.outputs[0].finish_reason is None
+    )
 
 
 def _usage_state(stream_options: P.StreamOptions | None) -> bool:
     return stream_options is not None and stream_options.include_usage
 
 
-async def _completion_events(handle: RequestHandle, head: dict[str, Any], tokenizer: Any,
-                             stream_options: P.StreamOptions | None) -> AsyncIterator[str]:
+async def _completion_events(
+    handle: RequestHandle,
+    head: dict[str, Any],
+    tokenizer: Any,
+    stream_options: P.StreamOptions | None,
+) -> AsyncIterator[str]:
     n_out = 0
     offsets: dict[int, int] = {}
     prefix = _prefix(head)
     want_logprobs = handle.sampling_params.logprobs is not None
     async for out in handle:
         if out.error is not None:
-            yield _sse(P.ProtocolError(503, out.error, type="server_error",
-                                       code="engine_dead").body())
+            yield _sse(
+                P.ProtocolError(503, out.error, type="server_error", code="engine_dead").body()
+            )
             break
         if _plain(out, want_logprobs):  # the common chunk: one choice, text only
             c = out.outputs[0]
             n_out += len(c.token_ids)
             if c.text or c.token_ids:
-                yield (f'data: {prefix}{{"index":{c.index},"text":{_dumps(c.text)},'
-                       '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n')
+                yield (
+                    f'data: {prefix}{{"index":{c.index},"text":{_dumps(c.text)},'
+                    '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+                )
             continue
         choices = []
         for c in out.outputs:
@@ -385,53 +486,84 @@ async def _completion_events(handle: RequestHandle, head: dict[str, Any], tokeni
                 continue
             lp = P.completion_logprobs(tokenizer, c, offsets.get(c.index, 0))
             offsets[c.index] = offsets.get(c.index, 0) + len(c.text)
-            choices.append({"index": c.index, "text": c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         if choices:
             yield _sse({**head, "choices": choices})
         if out.finished and _usage_state(stream_options):
-            yield _sse({**head, "choices": [],
-                        "usage": P.usage(len(handle.prompt_token_ids), n_out)})
+            yield _sse(
+                {**head, "choices": [], "usage": P.usage(len(handle.prompt_token_ids), n_out)}
+            )
     yield "data: [DONE]\n\n"
 
 
-async def _chat_events(handle: RequestHandle, head: dict[str, Any], tokenizer: Any,
-                       top_n: int, stream_options: P.StreamOptions | None
-                       ) -> AsyncIterator[str]:
+async def _chat_events(
+    handle: RequestHandle,
+    head: dict[str, Any],
+    tokenizer: Any,
+    top_n: int,
+    stream_options: P.StreamOptions | None,
+) -> AsyncIterator[str]:
     n_out = 0
     started: set[int] = set()
     want_logprobs = handle.sampling_params.logprobs is not None
     prefix = _prefix(head)
     for i in range(handle.sampling_params.n):  # the role first, as OpenAI sends it
         started.add(i)
-        yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                              "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
+        yield _sse(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
     async for out in handle:
         if out.error is not None:
-            yield _sse(P.ProtocolError(503, out.error, type="server_error",
-                                       code="engine_dead").body())
+            yield _sse(
+                P.ProtocolError(503, out.error, type="server_error", code="engine_dead").body()
+            )
             break
         if _plain(out, want_logprobs):  # the common chunk: one choice, text only
             c = out.outputs[0]
             n_out += len(c.token_ids)
             if c.text:
-                yield (f'data: {prefix}{{"index":{c.index},"delta":{{"content":'
-                       f'{_dumps(c.text)}}},"logprobs":null,"finish_reason":null,'
-                       '"stop_reason":null}]}\n\n')
+                yield (
+                    f'data: {prefix}{{"index":{c.index},"delta":{{"content":'
+                    f'{_dumps(c.text)}}},"logprobs":null,"finish_reason":null,'
+                    '"stop_reason":null}]}\n\n'
+                )
             continue
         choices = []
         for c in out.outputs:
             n_out += len(c.token_ids)
             if not c.text and not c.token_ids and c.finish_reason is None:
                 continue
-            choices.append({
-                "index": c.index, "delta": {"content": c.text} if c.text else {},
-                "logprobs": P.chat_logprobs(tokenizer, c, top_n) if want_logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append(
+                {
+                    "index": c.index,
+                    "delta": {"content": c.text} if c.text else {},
+                    "logprobs": P.chat_logprobs(tokenizer, c, top_n) if want_logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         if choices:
             yield _sse({**head, "choices": choices})
         if out.finished and _usage_state(stream_options):
-            yield _sse({**head, "choices": [],
-                        "usage": P.usage(len(handle.prompt_token_ids), n_out)})
+            yield _sse(
+                {**head, "choices": [], "usage": P.usage(len(handle.prompt_token_ids), n_out)}
+            )
     yield "data: [DONE]\n\n"

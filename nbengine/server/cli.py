@@ -20,37 +20,63 @@ __all__ = ["add_serve_parser", "run_serve"]
 API_KEY_ENV = "NBENGINE_API_KEY"
 
 
-def add_serve_parser(sub: Any, parents: list[argparse.ArgumentParser],
-                     formatter_class: type) -> None:
+def add_serve_parser(
+    sub: Any, parents: list[argparse.ArgumentParser], formatter_class: type
+) -> None:
     """Add the ``serve`` subcommand to ``sub`` (argparse subparsers)."""
     from nbengine.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
     p = sub.add_parser(
-        "serve", parents=parents, formatter_class=formatter_class,
+        "serve",
+        parents=parents,
+        formatter_class=formatter_class,
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Start an engine on MODEL and serve it at http://HOST:PORT/v1 "
-                    "(/v1/models, /v1/completions, /v1/chat/completions; docs/serving.md). "
-                    "Runs until Ctrl-C. A HOST other than loopback requires an API key. "
-                    "Needs the serve extra: pip install 'nbengine[serve]'.",
+        "(/v1/models, /v1/completions, /v1/chat/completions; docs/serving.md). "
+        "Runs until Ctrl-C. A HOST other than loopback requires an API key. "
+        "Needs the serve extra: pip install 'nbengine[serve]'.",
     )
-    p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face model directory or Hub id (default: the shipped model)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Hugging Face model directory or Hub id (default: the shipped model)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: a free one)")
-    p.add_argument("--api-key", default=None,
-                   help=f"clients must send 'Authorization: Bearer KEY' (default: "
-                        f"${API_KEY_ENV} if set)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: MODEL as given)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="the most tokens one request may ask for")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="the largest request body accepted")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="streams send a chunk every N tokens after the first")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (a file, or the template itself) replacing "
-                        "the model's own")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"clients must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: MODEL as given)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="the most tokens one request may ask for",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="the largest request body accepted",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="streams send a chunk every N tokens after the first",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template itself) replacing the model's own",
+    )
     p.add_argument("--dtype", default="auto", help="model dtype (auto, bfloat16, float32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the most requests per batch")
@@ -80,11 +106,17 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with nb.Engine(model, **engine_kw) as engine:
-        with Server(engine, args.host, args.port, api_key, model_name=args.served_model_name,
-                    max_tokens=args.max_tokens,
-                    max_request_bytes=args.max_request_bytes,
-                    stream_interval=args.stream_interval,
-                    chat_template=_template(args.chat_template)) as server:
+        with Server(
+            engine,
+            args.host,
+            args.port,
+            api_key,
+            model_name=args.served_model_name,
+            max_tokens=args.max_tokens,
+            max_request_bytes=args.max_request_bytes,
+            stream_interval=args.stream_interval,
+            chat_template=_template(args.chat_template),
+        ) as server:
             print(f"nbengine: serving {server.model_name!r} at {server.url}", flush=True)
             try:
                 while not stop.wait(0.5):

@@ -51,8 +51,14 @@ class ProtocolError(Exception):
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {...}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class _Strict(BaseModel):
@@ -129,8 +135,9 @@ class ChatCompletionRequest(_SamplingFields):
 def parse_request(cls: type[_Strict], body: Any) -> Any:
     """Validate a decoded JSON body as ``cls``; a ProtocolError(400) names the field."""
     if not isinstance(body, dict):
-        raise ProtocolError(400, f"The request body must be a JSON object, got "
-                                 f"{type(body).__name__}.")
+        raise ProtocolError(
+            400, f"The request body must be a JSON object, got {type(body).__name__}."
+        )
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
@@ -165,20 +172,27 @@ def to_sampling_params(
     if max_tokens is None:
         max_tokens = max_tokens_limit if chat else min(16, max_tokens_limit)
     elif max_tokens > max_tokens_limit:
-        raise ProtocolError(400, f"{name} must be at most {max_tokens_limit} on this server, "
-                                 f"got {max_tokens}.", param=name)
+        raise ProtocolError(
+            400,
+            f"{name} must be at most {max_tokens_limit} on this server, got {max_tokens}.",
+            param=name,
+        )
     if isinstance(req, ChatCompletionRequest):  # that is, chat
         logprobs = req.top_logprobs or 0 if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise ProtocolError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise ProtocolError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}.",
-                                param="top_logprobs")
+            raise ProtocolError(
+                400,
+                f"top_logprobs must be in [0, 20], got {req.top_logprobs}.",
+                param="top_logprobs",
+            )
     else:
         logprobs = req.logprobs
         if logprobs is not None and not 0 <= logprobs <= 20:
-            raise ProtocolError(400, f"logprobs must be in [0, 20], got {logprobs}.",
-                                param="logprobs")
+            raise ProtocolError(
+                400, f"logprobs must be in [0, 20], got {logprobs}.", param="logprobs"
+            )
         if req.suffix is not None:
             raise ProtocolError(400, "suffix is not supported.", param="suffix")
         if req.echo:
@@ -190,16 +204,24 @@ def to_sampling_params(
         bias = {}
         for tok, value in req.logit_bias.items():
             if not tok.isdigit():
-                raise ProtocolError(400, f"logit_bias keys must be token ids, got {tok!r}.",
-                                    param="logit_bias")
+                raise ProtocolError(
+                    400, f"logit_bias keys must be token ids, got {tok!r}.", param="logit_bias"
+                )
             bias[int(tok)] = value
     fields: dict[str, Any] = dict(
-        n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=bias, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+        n=req.n,
+        max_tokens=max_tokens,
+        stop=req.stop,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=bias,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
         stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs,
         output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
         stream_interval=stream_interval if req.stream else 1,
     )
@@ -225,8 +247,9 @@ def chat_content(message: ChatMessage) -> dict[str, Any]:
         texts = []
         for i, part in enumerate(content):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ProtocolError(400, "Only text content parts are supported.",
-                                    param=f"messages.content.{i}")
+                raise ProtocolError(
+                    400, "Only text content parts are supported.", param=f"messages.content.{i}"
+                )
             texts.append(part["text"])
         out["content"] = "".join(texts)
     elif content is None:
@@ -239,8 +262,11 @@ def chat_content(message: ChatMessage) -> dict[str, Any]:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI's ``usage`` object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _token_str(tokenizer: Any, token_id: int, lp: Any) -> str:
@@ -268,8 +294,12 @@ def completion_logprobs(
         top.append({_token_str(tokenizer, t, lp): lp.logprob for t, lp in pos.items()})
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(tokenizer: Any, comp: CompletionOutput, top_n: int) -> dict[str, Any] | None:
@@ -281,10 +311,17 @@ def chat_logprobs(tokenizer: Any, comp: CompletionOutput, top_n: int) -> dict[st
         chosen = pos.get(tok)
         text = _token_str(tokenizer, tok, chosen)
         ranked = sorted(pos.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
-        top = [_entry(_token_str(tokenizer, t, lp), lp.logprob)
-               for t, lp in ranked if t != tok or (lp.rank or 0) <= top_n][:top_n]
-        content.append({**_entry(text, chosen.logprob if chosen is not None else float("nan")),
-                        "top_logprobs": top})
+        top = [
+            _entry(_token_str(tokenizer, t, lp), lp.logprob)
+            for t, lp in ranked
+            if t != tok or (lp.rank or 0) <= top_n
+        ][:top_n]
+        content.append(
+            {
+                **_entry(text, chosen.logprob if chosen is not None else float("nan")),
+                "top_logprobs": top,
+            }
+        )
     return {"content": content}
 
 

@@ -72,8 +72,11 @@ class Server:
                 f"Binding {host!r} exposes the engine beyond this machine: give an api_key "
                 "(clients then send 'Authorization: Bearer <api_key>'), or bind 127.0.0.1."
             )
-        for name, value in (("max_request_bytes", max_request_bytes), ("max_tokens", max_tokens),
-                            ("stream_interval", stream_interval)):
+        for name, value in (
+            ("max_request_bytes", max_request_bytes),
+            ("max_tokens", max_tokens),
+            ("stream_interval", stream_interval),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
         if not engine.is_alive:
@@ -82,15 +85,24 @@ class Server:
             raise EngineDeadError("The engine is not running; it cannot be served.")
         self.engine = engine
         self.model_name = model_name or default_model_name(engine)
-        self.app = build_app(engine, self.model_name, api_key, chat_template=chat_template,
-                             limits=
-                             ServerLimits(max_request_bytes, max_tokens, stream_interval))
+        self.app = build_app(
+            engine,
+            self.model_name,
+            api_key,
+            chat_template=chat_template,
+            limits=ServerLimits(max_request_bytes, max_tokens, stream_interval),
+        )
         self._sock = _listen(host, port)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level=log_level, loop="asyncio",
-                                lifespan="off", timeout_graceful_shutdown=2,
-                                access_log=False)
+        config = uvicorn.Config(
+            self.app,
+            log_level=log_level,
+            loop="asyncio",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+            access_log=False,
+        )
         self._uvicorn = uvicorn.Server(config)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="nbengine-server", daemon=True)
@@ -185,7 +197,12 @@ def default_model_name(engine: Any) -> str:
     return "nbengine-default" if model is None else str(model)
 
 
-def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, **kwargs: Any) -> Server:
+def serve(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    **kwargs: Any,
+) -> Server:
     """``Engine.serve``: start a ``Server`` on ``engine`` and return it once it listens."""
     return Server(engine, host, port, api_key, **kwargs)

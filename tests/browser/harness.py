@@ -79,9 +79,7 @@ class LabServer:
 
     def api(self, path: str) -> Any:
         """GET ``/api/<path>`` from the server (JSON)."""
-        with urllib.request.urlopen(
-            f"{self.url}/api/{path}?token={self.token}", timeout=10
-        ) as r:
+        with urllib.request.urlopen(f"{self.url}/api/{path}?token={self.token}", timeout=10) as r:
             return json.loads(r.read())
 
     def log_tail(self, n: int = 4000) -> str:
@@ -110,24 +108,18 @@ def _isolated_env(base: Path) -> dict[str, str]:
     # the announcements plugin is disabled outright, and its settings say "never" too.
     labconfig = base / "config" / "labconfig"
     labconfig.mkdir(parents=True, exist_ok=True)
-    (labconfig / "page_config.json").write_text(json.dumps(
-        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
-    ))
-    settings = (
-        base / "config" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+    (labconfig / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
     )
+    settings = base / "config" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True, exist_ok=True)
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False})
     )
     # Render every cell (no windowing): outputs of cells out of view stay in the DOM.
-    nb_settings = (
-        base / "config" / "lab" / "user-settings" / "@jupyterlab" / "notebook-extension"
-    )
+    nb_settings = base / "config" / "lab" / "user-settings" / "@jupyterlab" / "notebook-extension"
     nb_settings.mkdir(parents=True, exist_ok=True)
-    (nb_settings / "tracker.jupyterlab-settings").write_text(
-        json.dumps({"windowingMode": "none"})
-    )
+    (nb_settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     return env
 
 
@@ -140,9 +132,15 @@ def jupyter_lab(root: Path, base: Path) -> Iterator[LabServer]:
     log_path = base / "jupyter.log"
     log = open(log_path, "wb")
     cmd = [
-        sys.executable, "-m", "jupyter", "lab",
-        "--allow-root", "--no-browser",
-        "--ip=127.0.0.1", f"--port={port}", "--port-retries=0",
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--allow-root",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--port-retries=0",
         f"--IdentityProvider.token={token}",
         f"--ServerApp.root_dir={root}",
         "--LabApp.news_url=",
@@ -204,8 +202,9 @@ class NotebookPage:
                 kernels = server.api("kernels")
             except OSError:  # includes HTTPError: the server may 500 while a kernel starts
                 kernels = []
-            if any(k.get("connections", 0) >= 1 and k.get("execution_state") == "idle"
-                   for k in kernels):
+            if any(
+                k.get("connections", 0) >= 1 and k.get("execution_state") == "idle" for k in kernels
+            ):
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no idle connected kernel: {kernels}")
@@ -308,13 +307,16 @@ class NotebookPage:
 
     def cell_text(self, i: int, selector: str) -> str:
         """The text of the first element matching ``selector`` inside cell ``i`` ('' if none)."""
-        return str(self.page.evaluate(
-            f"([i, sel]) => {{ {self._CELL_JS} return el ? el.textContent : ''; }}",
-            [i, selector],
-        ))
+        return str(
+            self.page.evaluate(
+                f"([i, sel]) => {{ {self._CELL_JS} return el ? el.textContent : ''; }}",
+                [i, selector],
+            )
+        )
 
-    def wait_cell_text(self, i: int, selector: str, predicate_js: str,
-                       timeout_s: float = 30.0) -> str:
+    def wait_cell_text(
+        self, i: int, selector: str, predicate_js: str, timeout_s: float = 30.0
+    ) -> str:
         """Wait until an element of cell ``i`` exists and ``predicate_js`` holds for its text
         ``t``; return that text. Re-queried on every poll (widgets re-render)."""
         self.page.wait_for_function(
@@ -363,10 +365,12 @@ class NotebookPage:
         return out
 
     def is_disabled(self, i: int, selector: str) -> bool:
-        return bool(self.page.evaluate(
-            f"([i, sel]) => {{ {self._CELL_JS} return !!el && el.disabled; }}",
-            [i, selector],
-        ))
+        return bool(
+            self.page.evaluate(
+                f"([i, sel]) => {{ {self._CELL_JS} return !!el && el.disabled; }}",
+                [i, selector],
+            )
+        )
 
     def toasts(self) -> list[str]:
         """The texts of the notification toasts on screen (news, updates, errors)."""

@@ -80,10 +80,17 @@ def test_chat_panel_in_jupyterlab(tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
     from nbengine.testing import QWEN_CHAT_TEMPLATE, make_tiny_model
 
-    model = make_tiny_model(tmp_path / "chat", "qwen2", chat_template=QWEN_CHAT_TEMPLATE,
-                            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2,
-                            max_position_embeddings=16384)
+    model = make_tiny_model(
+        tmp_path / "chat",
+        "qwen2",
+        chat_template=QWEN_CHAT_TEMPLATE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+    )
     root = tmp_path / "root"
     root.mkdir()
     write_notebook(root / "chat.ipynb", _cells(model))
@@ -92,8 +99,9 @@ def test_chat_panel_in_jupyterlab(tmp_path: Path) -> None:
         old.unlink()
 
     with jupyter_lab(root, tmp_path / "jupyter") as server, sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                     args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         p = NotebookPage(page, SCREENSHOTS)
         try:
@@ -121,8 +129,11 @@ def _stages(p: NotebookPage) -> None:
     _type_and_send(p, "Tell me a story about a fox")
     p.wait_cell_text(0, ".nbengine-chat-list", "t.includes('Tell me a story about a fox')")
     first = _wait(p, lambda r: r["chars"] > 20, "the reply to start")
-    grown = _wait(p, lambda r: r["chars"] > first["chars"] + 200 and r["scrolls"],
-                  "the reply to grow past its box")
+    grown = _wait(
+        p,
+        lambda r: r["chars"] > first["chars"] + 200 and r["scrolls"],
+        "the reply to grow past its box",
+    )
     assert grown["atBottom"], grown  # the newest text is in view
     assert grown["finish"] == "…"
     assert p.is_disabled(0, ".nbengine-chat-send")
@@ -141,8 +152,9 @@ def _stages(p: NotebookPage) -> None:
     limit.fill("12")
     limit.press("Enter")
     _type_and_send(p, "What happened next?")
-    second = _wait(p, lambda r: r["n"] == 2 and r["finish"] == "length",
-                   "the second reply to finish")
+    second = _wait(
+        p, lambda r: r["n"] == 2 and r["finish"] == "length", "the second reply to finish"
+    )
     assert second["chars"] > 0
     p.screenshot("03-next-message")
 

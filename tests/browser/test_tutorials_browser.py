@@ -79,13 +79,15 @@ def _code(path: Path) -> str:
     nb = json.loads(path.read_text(encoding="utf-8"))
     return "\n".join(
         "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
-        for c in nb["cells"] if c["cell_type"] == "code"
+        for c in nb["cells"]
+        if c["cell_type"] == "code"
     )
 
 
 def _with_charts() -> list[str]:
-    return sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")
-                  if any(call in _code(p) for call in CHART_CALLS))
+    return sorted(
+        p.name for p in NOTEBOOKS.glob("*.ipynb") if any(call in _code(p) for call in CHART_CALLS)
+    )
 
 
 def test_tutorials_with_charts_are_known() -> None:
@@ -159,7 +161,8 @@ def test_every_chart_draws_its_data(lab: tuple[LabServer, Any], name: str) -> No
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     if CPU_THROTTLE > 1:
         page.context.new_cdp_session(page).send(
-            "Emulation.setCPUThrottlingRate", {"rate": CPU_THROTTLE})
+            "Emulation.setCPUThrottlingRate", {"rate": CPU_THROTTLE}
+        )
     p = NotebookPage(page, SCREENSHOTS)
     stem = Path(name).stem
     try:
@@ -169,7 +172,8 @@ def test_every_chart_draws_its_data(lab: tuple[LabServer, Any], name: str) -> No
             _run_all(p, timeout_s=480)
             # No cell failed or wrote to stderr (the shipped outputs have neither).
             errors = p.panel.locator(
-                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+            )
             assert errors.count() == 0, errors.first.inner_text()
             expected = EXPECTED_CHARTS[name]
             # Every chart drawn: the live charts refresh about twice a second until the
@@ -195,6 +199,7 @@ def test_every_chart_draws_its_data(lab: tuple[LabServer, Any], name: str) -> No
             for chart in charts:
                 assert chart["titles"], f"a chart has no title: {charts}"
                 assert chart["traces"] and all(t["drawn"] for t in chart["traces"]), (
-                    f"a chart does not draw its data: {charts}")
+                    f"a chart does not draw its data: {charts}"
+                )
     finally:
         page.close()

@@ -67,21 +67,30 @@ def _engine_args(tmp: Path) -> str:
     from nbengine.testing import make_tiny_model
 
     path = make_tiny_model(
-        tmp / "tiny", arch="llama", hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tmp / "tiny",
+        arch="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=16384,
     )
-    return (f"{str(path)!r}, num_kv_blocks=4096, block_size=16, max_num_seqs=8, "
-            "max_num_batched_tokens=256")
+    return (
+        f"{str(path)!r}, num_kv_blocks=4096, block_size=16, max_num_seqs=8, "
+        "max_num_batched_tokens=256"
+    )
 
 
 def _cells(engine_args: str) -> list[str]:
-    setup = "\n".join([
-        "import nbengine as nb",
-        f"engine = nb.Engine({engine_args})",
-        "LONG_TOKENS = engine.max_model_len - 64",
-        "print('engine ready')",
-    ])
+    setup = "\n".join(
+        [
+            "import nbengine as nb",
+            f"engine = nb.Engine({engine_args})",
+            "LONG_TOKENS = engine.max_model_len - 64",
+            "print('engine ready')",
+        ]
+    )
     return [
         setup,
         # 1: start, display, return at once
@@ -105,9 +114,7 @@ def _cells(engine_args: str) -> list[str]:
         "    n += 1\n"
         'print("async done:", ha.status.name, out.outputs[0].finish_reason)',
         # 5: the static timeline
-        "fig = engine.plot_timeline()\n"
-        'print("timeline traces:", [t.name for t in fig.data])\n'
-        "fig",
+        'fig = engine.plot_timeline()\nprint("timeline traces:", [t.name for t in fig.data])\nfig',
         # 6: the end
         'engine.shutdown()\nprint("engine stopped")',
     ]
@@ -162,7 +169,8 @@ def _wait_box(p: NotebookPage, i: int, predicate_js: str, timeout_s: float = 60.
     """Wait until ``predicate_js`` (over ``b``, the box's state) holds."""
     p.page.wait_for_function(
         f"(i) => {{ const b = ({_BOX_JS})(i); return !!b && !!({predicate_js}); }}",
-        arg=i, timeout=timeout_s * 1000,
+        arg=i,
+        timeout=timeout_s * 1000,
     )
 
 
@@ -254,8 +262,10 @@ def _run_stages(p: NotebookPage) -> None:
     mark("dashboard table shown")
     for i in range(3):
         p.wait_cell_text(
-            3, ".nbengine-table",
-            f"/job-{i}\\s*(RUNNING|WAITING)/.test(t)", timeout_s=60,
+            3,
+            ".nbengine-table",
+            f"/job-{i}\\s*(RUNNING|WAITING)/.test(t)",
+            timeout_s=60,
         )
     p.wait_cell_text(3, ".nbengine-kv", "t.includes('blocks')")
     table = p.cell_text(3, ".nbengine-table")
@@ -265,8 +275,9 @@ def _run_stages(p: NotebookPage) -> None:
     p.click(3, ".nbengine-cancel-all")
     mark("clicked cancel all")
     for i in range(3):
-        p.wait_cell_text(3, ".nbengine-table", f"/job-{i}\\s*FINISHED_ABORTED/.test(t)",
-                         timeout_s=60)
+        p.wait_cell_text(
+            3, ".nbengine-table", f"/job-{i}\\s*FINISHED_ABORTED/.test(t)", timeout_s=60
+        )
     mark("05-dashboard-cancel-all")
     p.screenshot("05-dashboard-cancel-all")
 

@@ -115,7 +115,10 @@ _clock = [0.0]
 
 
 def make_request(
-    rid: str, prompt: list[int], priority: int = 0, arrival: float | None = None,
+    rid: str,
+    prompt: list[int],
+    priority: int = 0,
+    arrival: float | None = None,
     **params: object,
 ) -> EngineCoreRequest:
     params.setdefault("max_tokens", 8)
@@ -169,7 +172,9 @@ class Collected:
             self.finished_count[key] = self.finished_count.get(key, 0) + 1
 
 
-def run_all(core: EngineCore, collected: Collected | None = None, max_steps: int = 10_000) -> Collected:
+def run_all(
+    core: EngineCore, collected: Collected | None = None, max_steps: int = 10_000
+) -> Collected:
     """Step until the core holds nothing; every key must be reported finished once."""
     c = collected or Collected()
     for _ in range(max_steps):

@@ -24,7 +24,9 @@ class Loop:
         self.q: queue.Queue[EngineCoreMessage] = queue.Queue()
         self.out: queue.Queue[EngineCoreOutputs] = queue.Queue()
         self.thread = threading.Thread(
-            target=core.run_busy_loop, args=(self.q, self.out.put), name="nbengine-core",
+            target=core.run_busy_loop,
+            args=(self.q, self.out.put),
+            name="nbengine-core",
             daemon=True,
         )
         self.collected = Collected()
@@ -139,11 +141,13 @@ def test_utility_runs_on_core_thread_and_returns_result():
     core = make_core()
     with Loop(core) as loop:
         fut: Future = Future()
-        loop.q.put(EngineCoreMessage(
-            MessageType.UTILITY,
-            lambda c: (threading.current_thread().name, c.num_unfinished_requests()),
-            fut,
-        ))
+        loop.q.put(
+            EngineCoreMessage(
+                MessageType.UTILITY,
+                lambda c: (threading.current_thread().name, c.num_unfinished_requests()),
+                fut,
+            )
+        )
         assert fut.result(TIMEOUT) == ("nbengine-core", 0)
         bad: Future = Future()
         loop.q.put(EngineCoreMessage(MessageType.UTILITY, lambda c: 1 / 0, bad))

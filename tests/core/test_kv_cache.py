@@ -126,8 +126,12 @@ def test_shared_prefix_hits_and_same_outputs_as_without_cache():
     assert core_off.scheduler.kv.prefix_cache_hits == 0
     last = with_cache.batches[-1].step
     assert last.prefix_cache_hits == 24
-    b_prefill = [ch for batch in core_on.runner.batches for ch in batch.chunks
-                 if ch.request.request_id == "b" and ch.is_prefill]
+    b_prefill = [
+        ch
+        for batch in core_on.runner.batches
+        for ch in batch.chunks
+        if ch.request.request_id == "b" and ch.is_prefill
+    ]
     assert b_prefill[0].start_pos == 12
     assert kv_on.num_free_blocks == kv_on.num_blocks
 

@@ -44,13 +44,18 @@ def hf_greedy(path: Path, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[
         model = _hf_model(path)
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+                pad_token_id=0,
             )
-        tokens = out.sequences[0, len(prompt):].tolist()
+        tokens = out.sequences[0, len(prompt) :].tolist()
         assert len(tokens) == n
-        lps = [torch.log_softmax(step[0].float(), -1)[t].item()
-               for step, t in zip(out.logits, tokens)]
+        lps = [
+            torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)
+        ]
         _HF_CACHE[key] = (tokens, lps)
     return _HF_CACHE[key]
 
@@ -72,7 +77,9 @@ def _hf_model(path: Path):
 
 
 def engine_run(
-    path: Path, prompts: dict[str, list[int]], params: dict[str, SamplingParams] | SamplingParams,
+    path: Path,
+    prompts: dict[str, list[int]],
+    params: dict[str, SamplingParams] | SamplingParams,
     **kwargs: object,
 ) -> tuple[dict[str, list[int]], dict[str, list[float]], EngineCore, int]:
     """Run ``prompts`` through one EngineCore; returns tokens, logprobs, core, preemptions."""
@@ -141,10 +148,15 @@ def test_prefix_caching_on_and_off(arch, tiny_models):
     prompts = {"a": shared + [11, 12], "b": shared + [21], "c": shared + [31, 32, 33]}
     results = {}
     for enable in (True, False):
-        core = EngineCore(EngineConfig.from_kwargs(
-            str(path), dtype="float32", block_size=4, num_kv_blocks=64,
-            enable_prefix_caching=enable,
-        ))
+        core = EngineCore(
+            EngineConfig.from_kwargs(
+                str(path),
+                dtype="float32",
+                block_size=4,
+                num_kv_blocks=64,
+                enable_prefix_caching=enable,
+            )
+        )
         got: dict[str, list[int]] = {k: [] for k in prompts}
         core.add_request(EngineCoreRequest("a", prompts["a"], greedy(), 0.0))
         for out in core.step().outputs:  # a's prompt is cached before b and c arrive

@@ -44,8 +44,9 @@ def test_random_workload(seed: int) -> None:
             rid = f"r{pending}"
             prompt = rng.choice(prefixes) + [rng.randrange(900) for _ in range(rng.randint(1, 10))]
             max_tokens = rng.randint(1, 12)
-            core.add_request(make_request(rid, prompt, priority=rng.randint(0, 2),
-                                          max_tokens=max_tokens))
+            core.add_request(
+                make_request(rid, prompt, priority=rng.randint(0, 2), max_tokens=max_tokens)
+            )
             expected[rid] = (prompt, max_tokens)
             pending -= 1
         if core.scheduler.requests and rng.random() < 0.05:

@@ -93,10 +93,17 @@ def test_abort_unknown_finished_or_twice_is_noop():  # 6
     core.add_request(make_request("live", [1, 2], max_tokens=50))
     core.step()
     assert "done" not in core.scheduler.requests
-    before = (core.scheduler.num_waiting, core.scheduler.num_running, core.num_unfinished_requests())
+    before = (
+        core.scheduler.num_waiting,
+        core.scheduler.num_running,
+        core.num_unfinished_requests(),
+    )
     core.abort_requests(["nope", "done"])
-    assert (core.scheduler.num_waiting, core.scheduler.num_running,
-            core.num_unfinished_requests()) == before
+    assert (
+        core.scheduler.num_waiting,
+        core.scheduler.num_running,
+        core.num_unfinished_requests(),
+    ) == before
     core.abort_requests(["live"])
     core.abort_requests(["live"])
     out = core.step()
@@ -320,8 +327,12 @@ def test_chunked_prefill_respects_budget_and_mixes_with_decodes():
         if batch.num_decode_tokens and batch.num_prefill_tokens:
             mixed += 1
     assert mixed >= 2  # the long prompt was split across steps next to decodes
-    long_chunks = [ch for b in core.runner.batches for ch in b.chunks
-                   if ch.request.request_id == "long" and ch.is_prefill]
+    long_chunks = [
+        ch
+        for b in core.runner.batches
+        for ch in b.chunks
+        if ch.request.request_id == "long" and ch.is_prefill
+    ]
     assert len(long_chunks) >= 3 and not any(ch.sample for ch in long_chunks[:-1])
     assert c.tokens["long"] == expected_tokens(long_prompt, 3)
 
@@ -416,8 +427,9 @@ def test_logprobs_and_seed_generator():
 
 def test_eos_from_request_overrides_runner_default():
     core = make_core(eos=99)
-    req = EngineCoreRequest("r", [1], SamplingParams(max_tokens=10), 0.0,
-                            eos_token_ids=frozenset({3}))
+    req = EngineCoreRequest(
+        "r", [1], SamplingParams(max_tokens=10), 0.0, eos_token_ids=frozenset({3})
+    )
     core.add_request(req)
     c = run_all(core)
     assert c.tokens["r"] == [2, 3] and c.finish["r"] == FinishReason.STOP

@@ -21,8 +21,9 @@ ENDLESS = nb.SamplingParams(ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def chat_engine(tiny_model_factory: Callable[..., Path]) -> Iterator[nb.Engine]:
-    path = tiny_model_factory("qwen2", chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA,
-                              max_position_embeddings=8192)
+    path = tiny_model_factory(
+        "qwen2", chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA, max_position_embeddings=8192
+    )
     with nb.Engine(str(path), **ENGINE_KW) as eng:
         yield eng
 
@@ -32,8 +33,7 @@ def _idle(panel: ChatPanel) -> None:
 
 
 def test_send_streams_a_reply_that_joins_the_conversation(chat_engine: nb.Engine) -> None:
-    panel = chat_engine.chat_ui(system_prompt="Be brief.", max_tokens=6,
-                                sampling_params=ENDLESS)
+    panel = chat_engine.chat_ui(system_prompt="Be brief.", max_tokens=6, sampling_params=ENDLESS)
     panel.input.value = "Hello there"
     panel.send_button.click()
     h = panel.handle
@@ -46,11 +46,13 @@ def test_send_streams_a_reply_that_joins_the_conversation(chat_engine: nb.Engine
         {"role": "user", "content": "Hello there"},
         {"role": "assistant", "content": out.outputs[0].text},
     ]
-    assert "finish: <span class=\"nbengine-chat-finish\">length</span>" in panel._reply.stats.value
+    assert 'finish: <span class="nbengine-chat-finish">length</span>' in panel._reply.stats.value
     assert ">6</span> tokens" in panel._reply.stats.value
     # The conversation continues in code with the same messages.
-    again = chat_engine.chat(panel.messages + [{"role": "user", "content": "More"}],
-                             nb.SamplingParams(max_tokens=2, ignore_eos=True))
+    again = chat_engine.chat(
+        panel.messages + [{"role": "user", "content": "More"}],
+        nb.SamplingParams(max_tokens=2, ignore_eos=True),
+    )
     assert len(again.result(timeout=60).outputs[0].token_ids) == 2
     panel.close()
 
@@ -77,8 +79,12 @@ def test_stop_aborts_the_reply_and_the_next_message_works(chat_engine: nb.Engine
 
 
 def test_regenerate_replaces_the_last_reply(chat_engine: nb.Engine) -> None:
-    panel = ChatPanel(chat_engine, max_tokens=5, temperature=1.0,
-                      sampling_params=nb.SamplingParams(ignore_eos=True, seed=3))
+    panel = ChatPanel(
+        chat_engine,
+        max_tokens=5,
+        temperature=1.0,
+        sampling_params=nb.SamplingParams(ignore_eos=True, seed=3),
+    )
     panel.send("Hi")
     panel.wait()
     assert [m["role"] for m in panel.messages] == ["user", "assistant"]

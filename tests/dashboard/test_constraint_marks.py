@@ -10,11 +10,15 @@ from support.requests import wait_until
 
 def test_handle_widget_and_dashboard_mark_constrained_requests(engine: nb.Engine) -> None:
     dash = engine.dashboard()
-    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
-    constrained = engine.generate("x", nb.SamplingParams(max_tokens=2000, structured_outputs=spec),
-                                  request_id="shaped")
-    plain = engine.generate("x", nb.SamplingParams(max_tokens=2000, ignore_eos=True),
-                            request_id="free")
+    spec = StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "integer"}}}
+    )
+    constrained = engine.generate(
+        "x", nb.SamplingParams(max_tokens=2000, structured_outputs=spec), request_id="shaped"
+    )
+    plain = engine.generate(
+        "x", nb.SamplingParams(max_tokens=2000, ignore_eos=True), request_id="free"
+    )
     try:
         w = constrained.widget()
         assert "nbengine-constraint" in w.title.value and "json" in w.title.value
@@ -26,8 +30,9 @@ def test_handle_widget_and_dashboard_mark_constrained_requests(engine: nb.Engine
                     return row.id_cell.value
             return None
 
-        wait_until(lambda: cell("shaped") is not None and cell("free") is not None,
-                   what="both rows")
+        wait_until(
+            lambda: cell("shaped") is not None and cell("free") is not None, what="both rows"
+        )
         shaped, free = cell("shaped"), cell("free")
         assert shaped is not None and free is not None
         assert "nbengine-constraint" in shaped and "json" in shaped and "integer" in shaped

@@ -30,11 +30,14 @@ def test_rows_appear_and_cancel_all_aborts_every_live_request(engine: nb.Engine)
     dash = engine.dashboard()
     assert engine.dashboard() is dash
     assert isinstance(dash.figure, go.FigureWidget)
-    handles = [engine.generate("Once upon a time", long_params(), request_id=f"dash-{i}")
-               for i in range(3)]
+    handles = [
+        engine.generate("Once upon a time", long_params(), request_id=f"dash-{i}") for i in range(3)
+    ]
     wait_until(lambda: all(h.status is RequestStatus.RUNNING for h in handles), what="RUNNING")
-    wait_until(lambda: {f"dash-{i}": "RUNNING" for i in range(3)}.items() <= _rows(dash).items(),
-               what="three RUNNING rows")
+    wait_until(
+        lambda: {f"dash-{i}": "RUNNING" for i in range(3)}.items() <= _rows(dash).items(),
+        what="three RUNNING rows",
+    )
     assert not dash.cancel_all.disabled
     assert re.search(r"\d+ live", dash.title.value)
     dash.cancel_all.click()
@@ -42,8 +45,10 @@ def test_rows_appear_and_cancel_all_aborts_every_live_request(engine: nb.Engine)
         final = h.result(timeout=60)
         assert final.status is RequestStatus.FINISHED_ABORTED
         assert final.outputs[0].finish_reason == "abort"
-    wait_until(lambda: all(_rows(dash).get(f"dash-{i}") == "FINISHED_ABORTED" for i in range(3)),
-               what="rows to show FINISHED_ABORTED")
+    wait_until(
+        lambda: all(_rows(dash).get(f"dash-{i}") == "FINISHED_ABORTED" for i in range(3)),
+        what="rows to show FINISHED_ABORTED",
+    )
     wait_until(lambda: dash.cancel_all.disabled, what="Cancel all to disable")
     assert engine.num_unfinished_requests() == 0
 
@@ -87,11 +92,24 @@ def test_kv_bar_adds_up_every_replicas_latest_step(fresh_engine: nb.Engine) -> N
 
     dash = fresh_engine.dashboard()
     for replica, used in ((0, 3), (1, 5)):
-        fresh_engine.monitor.metrics.on_step(StepStats(
-            step=1, start_time=0.0, duration_s=0.01, num_requests=1, num_prefill_tokens=0,
-            num_decode_tokens=1, num_running=1, num_waiting=0, kv_blocks_used=used,
-            kv_blocks_total=10, prefix_cache_queries=4, prefix_cache_hits=1 + replica,
-            num_preemptions=0, replica=replica))
+        fresh_engine.monitor.metrics.on_step(
+            StepStats(
+                step=1,
+                start_time=0.0,
+                duration_s=0.01,
+                num_requests=1,
+                num_prefill_tokens=0,
+                num_decode_tokens=1,
+                num_running=1,
+                num_waiting=0,
+                kv_blocks_used=used,
+                kv_blocks_total=10,
+                prefix_cache_queries=4,
+                prefix_cache_hits=1 + replica,
+                num_preemptions=0,
+                replica=replica,
+            )
+        )
     wait_until(lambda: "8 / 20 blocks" in dash.kv_label.value, what="the summed KV label")
     assert dash.kv_bar.max == 20 and dash.kv_bar.value == 8
     assert "prefix-cache hit rate 38%" in dash.kv_label.value  # (1 + 2) / (4 + 4)
@@ -108,8 +126,9 @@ def test_replica_health_line_shows_the_core_and_its_death() -> None:
         try:
             dash = engine.dashboard()
             engine.generate("Once", nb.SamplingParams(max_tokens=4)).result(timeout=60)
-            wait_until(lambda: "replica 0 (inproc): alive" in dash.replicas.value,
-                       what="the replica line")
+            wait_until(
+                lambda: "replica 0 (inproc): alive" in dash.replicas.value, what="the replica line"
+            )
             assert re.search(r"\d+ steps", dash.replicas.value)
         finally:
             engine.shutdown()
@@ -122,9 +141,13 @@ def test_source_column_tells_server_requests_from_the_notebook(engine: nb.Engine
     mine = engine.generate("Once upon a time", long_params(), request_id="src-nb")
     served = engine.generate("Once upon a time", long_params(), request_id="server:src-http")
     try:
+
         def sources() -> dict[str, str]:
-            return {re.sub("<[^>]+>", "", r.id_cell.value): r.source.value
-                    for r in dash.rows if r.box.layout.display != "none"}
+            return {
+                re.sub("<[^>]+>", "", r.id_cell.value): r.source.value
+                for r in dash.rows
+                if r.box.layout.display != "none"
+            }
 
         wait_until(lambda: {"src-nb", "server:src-http"} <= sources().keys(), what="both rows")
         assert sources()["src-nb"] == "notebook"

@@ -43,8 +43,9 @@ def test_displaying_a_handle_gives_its_widget_and_a_stable_text_form(
 
 
 def test_outside_a_kernel_a_handle_displays_as_text_only(engine: nb.Engine) -> None:
-    h = engine.generate("Hi", nb.SamplingParams(max_tokens=2, ignore_eos=True),
-                        request_id="terminal")
+    h = engine.generate(
+        "Hi", nb.SamplingParams(max_tokens=2, ignore_eos=True), request_id="terminal"
+    )
     h.result()
     assert h._repr_mimebundle_() == {"text/plain": "RequestHandle(request_id='terminal')"}
     assert getattr(h, "_widget", None) is None  # no widget was made
@@ -90,8 +91,9 @@ def test_cancel_click_aborts_with_confirmation_and_frees_the_id(engine: nb.Engin
     assert final.outputs[0].finish_reason == "abort"
     wait_until(lambda: "FINISHED_ABORTED" in _badge(w), what="the badge to show FINISHED_ABORTED")
     # The id is free again: a new request with it runs to completion.
-    again = engine.generate("Once upon a time", nb.SamplingParams(max_tokens=5, ignore_eos=True),
-                            request_id="click-me")
+    again = engine.generate(
+        "Once upon a time", nb.SamplingParams(max_tokens=5, ignore_eos=True), request_id="click-me"
+    )
     out = again.result(timeout=60)
     assert out.outputs[0].finish_reason == "length"
     assert len(out.outputs[0].token_ids) == 5
@@ -156,8 +158,9 @@ def test_widget_is_an_ipywidget_with_text_not_output(engine: nb.Engine) -> None:
 
 
 def test_widget_of_an_n2_request_shows_both_completions(engine: nb.Engine) -> None:
-    h = engine.generate("Once", nb.SamplingParams(n=2, max_tokens=6, ignore_eos=True,
-                                                  temperature=1.0, seed=1))
+    h = engine.generate(
+        "Once", nb.SamplingParams(n=2, max_tokens=6, ignore_eos=True, temperature=1.0, seed=1)
+    )
     final = h.result()
     w = h.widget()
     assert "completion 0" in w.text.value and "completion 1" in w.text.value

@@ -44,8 +44,9 @@ def test_empty_timeline_is_an_empty_figure() -> None:
 
 
 def test_engine_plot_timeline_after_a_run(engine: nb.Engine) -> None:
-    done = engine.generate("Hi there", nb.SamplingParams(max_tokens=4, ignore_eos=True),
-                           request_id="tl-done")
+    done = engine.generate(
+        "Hi there", nb.SamplingParams(max_tokens=4, ignore_eos=True), request_id="tl-done"
+    )
     h = engine.generate("Hi there", long_params(), request_id="tl-abort")
     done.result()
     wait_until(lambda: len(h.token_ids) > 0, what="a token")

@@ -39,7 +39,8 @@ _STORE = 100 * 1024 * 1024
 def ray_cluster() -> Iterator[Any]:
     """Two Ray nodes on this machine (1 CPU each), the driver connected to them."""
     ray = pytest.importorskip(
-        "ray", reason="backend='ray' tests need Ray (pip install 'nbengine[ray]')",
+        "ray",
+        reason="backend='ray' tests need Ray (pip install 'nbengine[ray]')",
         exc_type=ImportError,
     )
     from ray.cluster_utils import Cluster

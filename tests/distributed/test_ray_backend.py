@@ -43,8 +43,9 @@ def replica_of(engine: nb.Engine, h: nb.RequestHandle) -> int:
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster: Any, tiny_model: Path) -> Iterator[nb.Engine]:
-    eng = nb.Engine(str(tiny_model), backend="ray", data_parallel_size=2,
-                    routing="least_loaded", **ENGINE_KW)
+    eng = nb.Engine(
+        str(tiny_model), backend="ray", data_parallel_size=2, routing="least_loaded", **ENGINE_KW
+    )
     actors = [r.actor for r in eng._client._replicas]  # type: ignore[attr-defined]
     try:
         yield eng
@@ -64,7 +65,9 @@ def engine(ray_cluster: Any, tiny_model: Path) -> Iterator[nb.Engine]:
         time.sleep(0.1)
 
 
-def test_replicas_on_both_nodes_and_greedy_matches_inproc(engine: nb.Engine, tiny_model: Path) -> None:
+def test_replicas_on_both_nodes_and_greedy_matches_inproc(
+    engine: nb.Engine, tiny_model: Path
+) -> None:
     reps = engine.replicas()
     assert [r["replica"] for r in reps] == [0, 1] and all(r["alive"] for r in reps)
     assert reps[0]["pid"] != reps[1]["pid"]
@@ -113,8 +116,9 @@ def test_abort_then_immediate_readd(engine: nb.Engine) -> None:
         final = engine.abort("early")
         assert final is not None and final.outputs[0].finish_reason == "abort"
         assert h.done() and h.status is S.FINISHED_ABORTED
-        r = engine.generate("Once upon", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                            request_id="early").result(timeout=WAIT_S)
+        r = engine.generate(
+            "Once upon", nb.SamplingParams(max_tokens=3, ignore_eos=True), request_id="early"
+        ).result(timeout=WAIT_S)
         assert len(r.outputs[0].token_ids) == 3
 
 
@@ -150,8 +154,9 @@ def test_readd_while_abort_pending_is_rejected(engine: nb.Engine, tmp_path: Path
     assert not t.is_alive()
     assert h.done() and h.final_output is not None
     assert h.final_output.outputs[0].finish_reason == "abort"
-    r = engine.generate("Once", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                        request_id="race").result(timeout=WAIT_S)
+    r = engine.generate(
+        "Once", nb.SamplingParams(max_tokens=3, ignore_eos=True), request_id="race"
+    ).result(timeout=WAIT_S)
     assert len(r.outputs[0].token_ids) == 3 and r.outputs[0].finish_reason == "length"
 
 
@@ -160,21 +165,24 @@ def test_readd_race_stress_never_mixes(engine: nb.Engine) -> None:
 
 
 def test_stop_string_then_immediate_reuse(engine: nb.Engine) -> None:
-    ref = engine.generate("Once upon", nb.SamplingParams(max_tokens=30, ignore_eos=True,
-                                                         temperature=0)).result(timeout=WAIT_S)
+    ref = engine.generate(
+        "Once upon", nb.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0)
+    ).result(timeout=WAIT_S)
     text = ref.outputs[0].text
     assert len(text) > 12
     stop = text[8:11]
     first = text.find(stop)
     for _ in range(3):
-        params = nb.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0, stop=[stop],
-                                   output_kind=Kind.DELTA)
+        params = nb.SamplingParams(
+            max_tokens=30, ignore_eos=True, temperature=0, stop=[stop], output_kind=Kind.DELTA
+        )
         h = engine.generate("Once upon", params, request_id="stopper")
         outs = list(h)
         assert "".join(o.outputs[0].text for o in outs) == text[:first]
         assert outs[-1].outputs[0].finish_reason == "stop"
-        h2 = engine.generate("Once upon", nb.SamplingParams(max_tokens=12, ignore_eos=True),
-                             request_id="stopper")
+        h2 = engine.generate(
+            "Once upon", nb.SamplingParams(max_tokens=12, ignore_eos=True), request_id="stopper"
+        )
         r2 = h2.result(timeout=WAIT_S)
         assert len(r2.outputs[0].token_ids) == 12 and r2.outputs[0].finish_reason == "length"
 
@@ -201,8 +209,10 @@ def test_lost_replica_fails_only_its_requests_then_restart(engine: nb.Engine) ->
     assert [r["alive"] for r in health] == [False, True]
     assert "Replica 0" in (health[0]["error"] or "")
     deadline = time.monotonic() + WAIT_S  # the dashboard shows the lost replica
-    while not ("replica 0 (ray): down" in dash.replicas.value
-               and "replica 1 (ray): alive" in dash.replicas.value):
+    while not (
+        "replica 0 (ray): down" in dash.replicas.value
+        and "replica 1 (ray): alive" in dash.replicas.value
+    ):
         assert time.monotonic() < deadline, dash.replicas.value
         time.sleep(0.05)
     for h in survivors:
@@ -214,14 +224,17 @@ def test_lost_replica_fails_only_its_requests_then_restart(engine: nb.Engine) ->
             time.sleep(0.005)
     # New work goes to the live replica.
     r = engine.generate("After", nb.SamplingParams(max_tokens=4, ignore_eos=True)).result(
-        timeout=WAIT_S)
+        timeout=WAIT_S
+    )
     assert len(r.outputs[0].token_ids) == 4
     for h in survivors:
         assert h.cancel().outputs[0].finish_reason == "abort"  # type: ignore[union-attr]
     engine.restart_replica(0)
     assert [r["alive"] for r in engine.replicas()] == [True, True]
-    hs = [engine.generate(f"Again {i}", nb.SamplingParams(max_tokens=3, ignore_eos=True))
-          for i in range(2)]
+    hs = [
+        engine.generate(f"Again {i}", nb.SamplingParams(max_tokens=3, ignore_eos=True))
+        for i in range(2)
+    ]
     assert sorted(replica_of(engine, h) for h in hs) == [0, 1]
     assert all(len(h.result(timeout=WAIT_S).outputs[0].token_ids) == 3 for h in hs)
 
@@ -250,14 +263,20 @@ def test_core_failure_in_a_replica_fails_only_its_requests(engine: nb.Engine) ->
     engine.restart_replica(bad)
     assert all(r["alive"] for r in engine.replicas())
     r = engine.generate("Back", nb.SamplingParams(max_tokens=2, ignore_eos=True)).result(
-        timeout=WAIT_S)
+        timeout=WAIT_S
+    )
     assert len(r.outputs[0].token_ids) == 2
 
 
 def test_engine_dies_when_its_last_replica_is_lost(ray_cluster: Any, tiny_model: Path) -> None:
     # num_cpus=0: the module's engine already holds both CPUs of the cluster.
-    eng = nb.Engine(str(tiny_model), backend="ray", data_parallel_size=1,
-                    resources_per_replica={"num_cpus": 0}, **ENGINE_KW)
+    eng = nb.Engine(
+        str(tiny_model),
+        backend="ray",
+        data_parallel_size=1,
+        resources_per_replica={"num_cpus": 0},
+        **ENGINE_KW,
+    )
     try:
         h = eng.generate("Alone", long_params())
         wait_first_token(h)
@@ -291,8 +310,9 @@ def test_attach_to_a_running_cluster_by_address(ray_cluster: Any, tiny_model: Pa
         "eng.shutdown()\n"
         "print('RESULT', len(out.outputs[0].token_ids), nodes, ray.is_initialized())\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT 3 2 True" in proc.stdout, proc.stdout[-2000:]
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # the cluster is still up
@@ -314,7 +334,10 @@ def test_unpicklable_utility_fails_alone_and_replica_keeps_order(engine: nb.Engi
         fut.result(timeout=WAIT_S)
     # The replica's message sequence has no gap: later calls and requests still run.
     assert engine._client.run_utility(  # type: ignore[attr-defined]
-        lambda core: core.num_unfinished_requests() >= 0, replica=0).result(timeout=WAIT_S)
-    hs = [engine.generate(f"Still {i}", nb.SamplingParams(max_tokens=2, ignore_eos=True))
-          for i in range(4)]
+        lambda core: core.num_unfinished_requests() >= 0, replica=0
+    ).result(timeout=WAIT_S)
+    hs = [
+        engine.generate(f"Still {i}", nb.SamplingParams(max_tokens=2, ignore_eos=True))
+        for i in range(4)
+    ]
     assert all(len(h.result(timeout=WAIT_S).outputs[0].token_ids) == 2 for h in hs)

@@ -12,10 +12,21 @@ from nbengine.distributed.router import Router, parent_key
 
 
 def _stats(used: int, total: int = 100) -> StepStats:
-    return StepStats(step=1, start_time=0.0, duration_s=0.0, num_requests=1, num_prefill_tokens=0,
-                     num_decode_tokens=1, num_running=1, num_waiting=0, kv_blocks_used=used,
-                     kv_blocks_total=total, prefix_cache_queries=0, prefix_cache_hits=0,
-                     num_preemptions=0)
+    return StepStats(
+        step=1,
+        start_time=0.0,
+        duration_s=0.0,
+        num_requests=1,
+        num_prefill_tokens=0,
+        num_decode_tokens=1,
+        num_running=1,
+        num_waiting=0,
+        kv_blocks_used=used,
+        kv_blocks_total=total,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+    )
 
 
 def test_parent_key_groups_children_only() -> None:
@@ -102,8 +113,14 @@ def test_backend_choice_is_checked(tmp_path: object) -> None:
     import nbengine as nb
     from nbengine.testing import make_tiny_model
 
-    model = make_tiny_model(Path(str(tmp_path)) / "m", hidden_size=32, intermediate_size=64,
-                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = make_tiny_model(
+        Path(str(tmp_path)) / "m",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with pytest.raises(ValueError, match="backend must be one of"):
         nb.Engine(str(model), backend="mpi")
     with pytest.raises(TypeError, match="data_parallel_size only apply to backend='ray'"):

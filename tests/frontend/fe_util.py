@@ -11,7 +11,11 @@ def byte_token_ids(tok: Tokenizer, data: bytes) -> list[int]:
 
     alphabet = sorted(ByteLevel.alphabet())
     # GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(0xA1, 0xAC + 1))
+        + list(range(0xAE, 0xFF + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -24,4 +28,3 @@ def byte_token_ids(tok: Tokenizer, data: bytes) -> list[int]:
     ids = [tok.backend.token_to_id(b2u[b]) for b in data]
     assert all(i is not None for i in ids)
     return ids
-

@@ -34,8 +34,9 @@ def run_race(model_dir: str) -> tuple[int, int, str | None, str | None]:
     with nb.Engine(model_dir, **kw) as engine:
         h = engine.generate(
             "Once upon a time",
-            nb.SamplingParams(max_tokens=100_000, ignore_eos=True,
-                              output_kind=nb.RequestOutputKind.DELTA),
+            nb.SamplingParams(
+                max_tokens=100_000, ignore_eos=True, output_kind=nb.RequestOutputKind.DELTA
+            ),
             request_id="abort-a",
         )
         it = iter(h)
@@ -44,8 +45,9 @@ def run_race(model_dir: str) -> tuple[int, int, str | None, str | None]:
         final = engine.abort("abort-a")
         h2 = engine.generate(
             "Once upon a time",
-            nb.SamplingParams(max_tokens=3, ignore_eos=True,
-                              output_kind=nb.RequestOutputKind.DELTA),
+            nb.SamplingParams(
+                max_tokens=3, ignore_eos=True, output_kind=nb.RequestOutputKind.DELTA
+            ),
             request_id="abort-a",
         )
         n = sum(len(o.outputs[0].token_ids) for o in h2)

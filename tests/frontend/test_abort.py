@@ -22,10 +22,16 @@ def first_output(h: nb.RequestHandle):
 
 
 def test_abort_list_ends_streams_normally_with_abort_output(engine: nb.Engine) -> None:
-    victims = [engine.generate("Once", long_params(output_kind=Kind.DELTA), request_id=f"v{i}")
-               for i in range(5)]
-    others = [engine.generate("Once", nb.SamplingParams(max_tokens=8, ignore_eos=True),
-                              request_id=f"o{i}") for i in range(5)]
+    victims = [
+        engine.generate("Once", long_params(output_kind=Kind.DELTA), request_id=f"v{i}")
+        for i in range(5)
+    ]
+    others = [
+        engine.generate(
+            "Once", nb.SamplingParams(max_tokens=8, ignore_eos=True), request_id=f"o{i}"
+        )
+        for i in range(5)
+    ]
     iters = [first_output(h)[0] for h in victims]
     finals = engine.abort([h.request_id for h in victims] + ["unknown-id"])
     assert isinstance(finals, list) and finals[-1] is None
@@ -58,8 +64,9 @@ def test_abort_before_the_first_token(engine: nb.Engine) -> None:
         final = engine.abort("early")
         assert final is not None and final.outputs[0].finish_reason == "abort"
         assert h.done() and h.status is S.FINISHED_ABORTED
-        r = engine.generate("Once upon", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                            request_id="early").result()
+        r = engine.generate(
+            "Once upon", nb.SamplingParams(max_tokens=3, ignore_eos=True), request_id="early"
+        ).result()
         assert len(r.outputs[0].token_ids) == 3
 
 
@@ -75,8 +82,9 @@ def test_consumer_stopping_after_20_tokens(engine: nb.Engine) -> None:
     assert len(seen) == 20
     assert h.done() and h.status is S.FINISHED_ABORTED  # leaving the loop cancelled it
     assert engine.num_unfinished_requests() == 0
-    r = engine.generate("The", nb.SamplingParams(max_tokens=5, ignore_eos=True),
-                        request_id="twenty").result()
+    r = engine.generate(
+        "The", nb.SamplingParams(max_tokens=5, ignore_eos=True), request_id="twenty"
+    ).result()
     assert len(r.outputs[0].token_ids) == 5
 
 
@@ -109,8 +117,9 @@ def test_readd_while_abort_pending_is_rejected(engine: nb.Engine) -> None:
     t.join(30)
     assert h.done() and h.final_output is not None
     assert h.final_output.outputs[0].finish_reason == "abort"
-    r = engine.generate("Once", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                        request_id="race").result()
+    r = engine.generate(
+        "Once", nb.SamplingParams(max_tokens=3, ignore_eos=True), request_id="race"
+    ).result()
     assert len(r.outputs[0].token_ids) == 3 and r.outputs[0].finish_reason == "length"
 
 
@@ -143,8 +152,9 @@ def test_keyboard_interrupt_in_sync_iteration_cancels_and_confirms(engine: nb.En
                 _interrupt_soon()
     assert h.done() and h.status is S.FINISHED_ABORTED  # confirmed before re-raising
     assert engine.num_unfinished_requests() == 0
-    r = engine.generate("Hi", nb.SamplingParams(max_tokens=2, ignore_eos=True),
-                        request_id="kbi").result()
+    r = engine.generate(
+        "Hi", nb.SamplingParams(max_tokens=2, ignore_eos=True), request_id="kbi"
+    ).result()
     assert len(r.outputs[0].token_ids) == 2
 
 
@@ -164,8 +174,9 @@ def test_cancel_without_waiting_for_ui_callbacks(engine: nb.Engine) -> None:
     assert final.outputs[0].finish_reason == "abort" and h.status is S.FINISHED_ABORTED
 
 
-def _interrupt_after_registration(engine: nb.Engine, monkeypatch: pytest.MonkeyPatch,
-                                  on_call: int = 1) -> None:
+def _interrupt_after_registration(
+    engine: nb.Engine, monkeypatch: pytest.MonkeyPatch, on_call: int = 1
+) -> None:
     """Make the loop raise KeyboardInterrupt in the main thread right after it registers
     the ``on_call``-th request: the interrupt lands inside generate(), after the
     registration and before the handle reaches the caller."""
@@ -192,13 +203,15 @@ def test_keyboard_interrupt_inside_generate_leaves_no_request(
     # Either the caller has the handle, or the request was aborted and confirmed: here
     # the caller has none, so nothing may be live and the id is free at once.
     assert engine.num_unfinished_requests() == 0
-    out = engine.generate("Again", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                          request_id="kbi").result(timeout=60)
+    out = engine.generate(
+        "Again", nb.SamplingParams(max_tokens=3, ignore_eos=True), request_id="kbi"
+    ).result(timeout=60)
     assert len(out.outputs[0].token_ids) == 3
 
 
 def test_keyboard_interrupt_inside_llm_generate_leaves_no_request(
-    tiny_model, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+    tiny_model,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
 ) -> None:
     from support.models import ENGINE_KW
 
@@ -208,6 +221,7 @@ def test_keyboard_interrupt_inside_llm_generate_leaves_no_request(
             llm.generate(["a", "b", "c"], long_params(), use_tqdm=False)
         monkeypatch.undo()
         assert llm.engine.num_unfinished_requests() == 0
-        outs = llm.generate(["a", "b"], nb.SamplingParams(max_tokens=2, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(
+            ["a", "b"], nb.SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False
+        )
         assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]

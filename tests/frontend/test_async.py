@@ -33,8 +33,7 @@ def run_in_thread(fn, *args):
 
 
 async def stream_text(engine: nb.Engine, prompt: str, n_tokens: int) -> tuple[str, list[int], str]:
-    params = nb.SamplingParams(max_tokens=n_tokens, ignore_eos=True, seed=5,
-                               output_kind=Kind.DELTA)
+    params = nb.SamplingParams(max_tokens=n_tokens, ignore_eos=True, seed=5, output_kind=Kind.DELTA)
     h = engine.generate(prompt, params)
     text, ids = "", []
     async for out in h:
@@ -93,13 +92,20 @@ def test_cancelled_consumers_abort_their_requests(engine: nb.Engine) -> None:
             return total
 
         long_tasks = [
-            asyncio.create_task(consume(f"long-{i}", long_params(n=3 if i % 3 == 0 else 1,
-                                                                 output_kind=Kind.DELTA)))
+            asyncio.create_task(
+                consume(f"long-{i}", long_params(n=3 if i % 3 == 0 else 1, output_kind=Kind.DELTA))
+            )
             for i in range(10)
         ]
         short = [
-            asyncio.create_task(consume(f"short-{i}", nb.SamplingParams(
-                max_tokens=N, ignore_eos=True, n=1 + i % 3, output_kind=Kind.DELTA)))
+            asyncio.create_task(
+                consume(
+                    f"short-{i}",
+                    nb.SamplingParams(
+                        max_tokens=N, ignore_eos=True, n=1 + i % 3, output_kind=Kind.DELTA
+                    ),
+                )
+            )
             for i in range(6)
         ]
         await asyncio.wait_for(started.wait(), 60)
@@ -116,8 +122,9 @@ def test_cancelled_consumers_abort_their_requests(engine: nb.Engine) -> None:
                 break
             await asyncio.sleep(0.05)
         assert engine.num_unfinished_requests() == 0
-        h = engine.generate("Once", nb.SamplingParams(max_tokens=N, ignore_eos=True),
-                            request_id="long-0")
+        h = engine.generate(
+            "Once", nb.SamplingParams(max_tokens=N, ignore_eos=True), request_id="long-0"
+        )
         assert len((await h).outputs[0].token_ids) == N
 
     asyncio.run(main())

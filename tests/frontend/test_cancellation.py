@@ -19,7 +19,9 @@ from support.requests import long_params
 TRIALS = 100
 
 
-async def _consume(engine: nb.Engine, h: nb.RequestHandle, mode: str, started: asyncio.Event) -> None:
+async def _consume(
+    engine: nb.Engine, h: nb.RequestHandle, mode: str, started: asyncio.Event
+) -> None:
     if mode == "async for":
         async for _out in h:
             started.set()
@@ -40,8 +42,9 @@ def test_cancelled_consumer_tasks_always_see_cancellation(engine: nb.Engine) -> 
         results = []
         for i in range(TRIALS):
             mode = modes[i % len(modes)]
-            h = engine.generate("Once upon", long_params(output_kind=Kind.DELTA),
-                                request_id=f"cancel-{i}")
+            h = engine.generate(
+                "Once upon", long_params(output_kind=Kind.DELTA), request_id=f"cancel-{i}"
+            )
             started = asyncio.Event()
             task = asyncio.ensure_future(_consume(engine, h, mode, started))
             await asyncio.wait_for(started.wait(), 60)

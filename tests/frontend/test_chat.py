@@ -15,14 +15,20 @@ from support.models import ENGINE_KW
 
 transformers = pytest.importorskip("transformers")
 
-CONV = [{"role": "system", "content": "You tell short stories."},
-        {"role": "user", "content": "Once upon a time"}]
+CONV = [
+    {"role": "system", "content": "You tell short stories."},
+    {"role": "user", "content": "Once upon a time"},
+]
 
 
 @pytest.fixture(scope="module")
 def qwen_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("qwen") / "chat", "qwen2",
-                           chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("qwen") / "chat",
+        "qwen2",
+        chat_template=QWEN_CHAT_TEMPLATE,
+        **TINY_LLAMA,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +39,9 @@ def chat_engine(qwen_chat: Path) -> Iterator[nb.Engine]:
 
 def test_chat_prompt_is_the_rendered_conversation(chat_engine: nb.Engine, qwen_chat: Path) -> None:
     hf = transformers.AutoTokenizer.from_pretrained(qwen_chat)
-    want = list(hf.apply_chat_template(CONV, tokenize=True, add_generation_prompt=True,
-                                       return_dict=False))
+    want = list(
+        hf.apply_chat_template(CONV, tokenize=True, add_generation_prompt=True, return_dict=False)
+    )
     h = chat_engine.chat(CONV, nb.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     out = h.result(timeout=60)
     assert out.prompt_token_ids == want
@@ -42,8 +49,9 @@ def test_chat_prompt_is_the_rendered_conversation(chat_engine: nb.Engine, qwen_c
     assert h.prompt.endswith("<|im_start|>assistant\n")
     assert len(out.outputs[0].token_ids) == 5
     # The same ids through generate() give the same greedy reply.
-    again = chat_engine.generate(want, nb.SamplingParams(temperature=0, max_tokens=5,
-                                                         ignore_eos=True)).result(timeout=60)
+    again = chat_engine.generate(
+        want, nb.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ).result(timeout=60)
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
 
 
@@ -53,8 +61,9 @@ def test_chat_stops_at_the_end_of_turn_token(chat_engine: nb.Engine) -> None:
     # <|im_end|> is not tokenizer_config's eos (<|endoftext|>): it comes from
     # generation_config.json's eos list, as in Qwen's own repos.
     assert tok.backend.token_to_id("<|endoftext|>") != im_end
-    params = nb.SamplingParams(temperature=0, max_tokens=50, min_tokens=3,
-                               logit_bias={im_end: 100.0})
+    params = nb.SamplingParams(
+        temperature=0, max_tokens=50, min_tokens=3, logit_bias={im_end: 100.0}
+    )
     out = chat_engine.chat(CONV, params).result(timeout=60)
     c = out.outputs[0]
     assert c.finish_reason == "stop" and len(c.token_ids) == 4 and c.token_ids[-1] == im_end
@@ -71,10 +80,14 @@ def test_chat_rejects_bad_input_before_registering(chat_engine: nb.Engine, tmp_p
     with nb.Engine(str(plain), **ENGINE_KW) as eng:
         with pytest.raises(NoChatTemplateError, match="chat_template="):
             eng.chat(CONV)
-        h = eng.chat(CONV, nb.SamplingParams(max_tokens=2),
-                     chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+        h = eng.chat(
+            CONV,
+            nb.SamplingParams(max_tokens=2),
+            chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
+        )
         assert h.result(timeout=60).prompt_token_ids == eng.tokenizer.encode(
-            "You tell short stories.\nOnce upon a time\n", add_special_tokens=False)
+            "You tell short stories.\nOnce upon a time\n", add_special_tokens=False
+        )
 
 
 def test_llm_chat_one_or_many_conversations(qwen_chat: Path) -> None:
@@ -83,9 +96,17 @@ def test_llm_chat_one_or_many_conversations(qwen_chat: Path) -> None:
     with nb.LLM(str(qwen_chat), **ENGINE_KW) as llm:
         many = llm.chat([CONV, other], greedy, use_tqdm=False)
         one = llm.chat(other, greedy, use_tqdm=False)
-        cont = llm.chat([*other, {"role": "assistant", "content": "and ran"}], greedy,
-                        use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+        cont = llm.chat(
+            [*other, {"role": "assistant", "content": "and ran"}],
+            greedy,
+            use_tqdm=False,
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
     assert len(many) == 2 and len(one) == 1
-    assert many[1].prompt == one[0].prompt and many[1].outputs[0].token_ids == one[0].outputs[0].token_ids
+    assert (
+        many[1].prompt == one[0].prompt
+        and many[1].outputs[0].token_ids == one[0].outputs[0].token_ids
+    )
     assert "Once upon a time" in many[0].prompt and "The dog ran" in many[1].prompt
     assert cont[0].prompt.endswith("<|im_start|>assistant\nand ran")

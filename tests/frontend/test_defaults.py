@@ -25,8 +25,10 @@ def test_each_engine_draws_its_own_seed_and_a_given_seed_repeats(tiny_model: Pat
         assert a.config.model.seed != b.config.model.seed
         assert _sampled(a) != _sampled(b)
         seed = a.config.model.seed
-    with nb.Engine(str(tiny_model), seed=seed, **ENGINE_KW) as c, \
-            nb.Engine(str(tiny_model), seed=seed, **ENGINE_KW) as d:
+    with (
+        nb.Engine(str(tiny_model), seed=seed, **ENGINE_KW) as c,
+        nb.Engine(str(tiny_model), seed=seed, **ENGINE_KW) as d,
+    ):
         assert _sampled(c) == _sampled(d)
 
 
@@ -40,8 +42,13 @@ def test_generation_config_supplies_the_defaults(
     (model / "generation_config.json").write_text(json.dumps(cfg))
     with caplog.at_level(logging.WARNING), nb.Engine(str(model), **ENGINE_KW) as engine:
         defaults = engine.get_default_sampling_params()
-        assert (defaults.temperature, defaults.top_k, defaults.max_tokens,
-                defaults.repetition_penalty, defaults.top_p) == (0.0, 5, 7, 1.1, 1.0)
+        assert (
+            defaults.temperature,
+            defaults.top_k,
+            defaults.max_tokens,
+            defaults.repetition_penalty,
+            defaults.top_p,
+        ) == (0.0, 5, 7, 1.1, 1.0)
         assert "Ignoring top_p=5" in caplog.text  # an invalid value is skipped, not fatal
         out = engine.generate("Once upon").result(60).outputs[0]
         greedy = nb.SamplingParams(temperature=0, max_tokens=7, repetition_penalty=1.1)
@@ -54,7 +61,9 @@ def test_generation_config_supplies_the_defaults(
 def test_repr_shows_what_was_loaded(tiny_model: Path) -> None:
     with nb.Engine(str(tiny_model), **ENGINE_KW) as engine:
         plan = engine._core.runner.memory_plan
-        assert repr(engine) == (f"Engine(model={str(tiny_model)!r}, dtype=float32, "
-                                f"max_model_len={engine.max_model_len}, alive, "
-                                f"memory: {plan.summary()})")
+        assert repr(engine) == (
+            f"Engine(model={str(tiny_model)!r}, dtype=float32, "
+            f"max_model_len={engine.max_model_len}, alive, "
+            f"memory: {plan.summary()})"
+        )
     assert repr(engine).endswith("dead)")

@@ -74,7 +74,9 @@ def test_stop_string_across_tokens_truncates(tok: Tokenizer) -> None:
     assert detok.text == "abc "
     for s in seen:
         assert "abc ".startswith(s)  # the partial "ST", "STO" never became visible
-    detok = IncrementalDetokenizer(tok, SamplingParams(stop=["STOP"], include_stop_str_in_output=True))
+    detok = IncrementalDetokenizer(
+        tok, SamplingParams(stop=["STOP"], include_stop_str_in_output=True)
+    )
     stream(detok, ids)
     assert detok.text == "abc STOP"
 
@@ -109,9 +111,12 @@ def test_hidden_stop_token_text(tok: Tokenizer) -> None:
 # built here with the `tokenizers` library, the way those models' files are made.
 
 _CORPUS = [
-    "Hello the the cat sat on the mat.", "The quick brown fox jumps over the lazy dog.",
-    "A list is a sequence; the dict maps keys to values.", "naïve café résumé — ok",
-    "for x in range(10): print(x)", "Hello world, hello there, the end.",
+    "Hello the the cat sat on the mat.",
+    "The quick brown fox jumps over the lazy dog.",
+    "A list is a sequence; the dict maps keys to values.",
+    "naïve café résumé — ok",
+    "for x in range(10): print(x)",
+    "Hello world, hello there, the end.",
 ]
 
 
@@ -123,13 +128,20 @@ def _llama2_style() -> Tokenizer:
 
     backend = Backend(models.BPE(byte_fallback=True, unk_token="<unk>"))
     backend.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-        decoders.Strip(" ", 1, 0)])
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    backend.train_from_iterator(_CORPUS, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, show_progress=False))
+    backend.train_from_iterator(
+        _CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False)
+    )
     return Tokenizer(backend)
 
 
@@ -141,8 +153,12 @@ def _metaspace() -> Tokenizer:
     backend = Backend(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    backend.train_from_iterator(_CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    backend.train_from_iterator(
+        _CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+        ),
+    )
     return Tokenizer(backend)
 
 
@@ -154,8 +170,12 @@ def _wordpiece() -> Tokenizer:
     backend = Backend(models.WordPiece(unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.decoder = decoders.WordPiece(prefix="##")
-    backend.train_from_iterator(_CORPUS, trainers.WordPieceTrainer(
-        vocab_size=300, special_tokens=["[UNK]", "[CLS]", "[SEP]"], show_progress=False))
+    backend.train_from_iterator(
+        _CORPUS,
+        trainers.WordPieceTrainer(
+            vocab_size=300, special_tokens=["[UNK]", "[CLS]", "[SEP]"], show_progress=False
+        ),
+    )
     return Tokenizer(backend)
 
 
@@ -167,14 +187,24 @@ def _byte_level() -> Tokenizer:
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(_CORPUS, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.train_from_iterator(
+        _CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return Tokenizer(backend)
 
 
-FAMILIES = {"llama2": _llama2_style, "metaspace": _metaspace, "wordpiece": _wordpiece,
-            "byte-level": _byte_level}
+FAMILIES = {
+    "llama2": _llama2_style,
+    "metaspace": _metaspace,
+    "wordpiece": _wordpiece,
+    "byte-level": _byte_level,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -190,7 +220,9 @@ def test_prompt_plus_output_text_is_the_full_decode(
     tok = family_tok
     prompt_ids = tok.encode(prompt, add_special_tokens=False)
     rng = random.Random(len(prompt) * 7 + chunk)
-    pool = tok.encode("the the cat sat on the mat, hello there naïve café", add_special_tokens=False)
+    pool = tok.encode(
+        "the the cat sat on the mat, hello there naïve café", add_special_tokens=False
+    )
     for trial in range(10):
         out_ids = [rng.choice(pool) for _ in range(rng.randrange(1, 12))]
         detok = IncrementalDetokenizer(tok, SamplingParams(), prompt_ids)

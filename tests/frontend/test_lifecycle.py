@@ -51,8 +51,7 @@ class FailingRunner:
         self._runner = runner
         self._calls = 0
         self._fail_at = fail_at
-        for name in ("num_kv_blocks", "block_size", "max_model_len", "vocab_size",
-                     "eos_token_ids"):
+        for name in ("num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids"):
             setattr(self, name, getattr(runner, name))
 
     def execute(self, batch):  # type: ignore[no-untyped-def]
@@ -109,7 +108,9 @@ def test_shutdown_fails_live_requests_and_a_new_engine_works(tiny_model: Path) -
         assert not t.is_alive()
 
 
-def test_llm_generate_order_and_params_list(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_llm_generate_order_and_params_list(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with nb.LLM(str(tiny_model), **ENGINE_KW) as llm:
         prompts = ["Once upon", "The cat", [5, 6, 7], "Hi"]
         params = [nb.SamplingParams(max_tokens=k, ignore_eos=True, seed=k) for k in (7, 3, 5, 1)]
@@ -124,8 +125,9 @@ def test_llm_generate_order_and_params_list(tiny_model: Path, capsys: pytest.Cap
         assert capsys.readouterr().err == ""
         with pytest.raises(ValueError, match="2 sampling params for 4 prompts"):
             llm.generate(prompts, params[:2])
-        n3 = llm.generate(["Hi"] * 3, nb.SamplingParams(n=3, max_tokens=2, ignore_eos=True),
-                          use_tqdm=False)
+        n3 = llm.generate(
+            ["Hi"] * 3, nb.SamplingParams(n=3, max_tokens=2, ignore_eos=True), use_tqdm=False
+        )
         assert [len(o.outputs) for o in n3] == [3, 3, 3]
         assert llm.engine.num_unfinished_requests() == 0
 
@@ -147,8 +149,9 @@ def test_plain_script_exits_without_shutdown(tiny_model: Path, tmp_path: Path) -
 
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tiny_model)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_model)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "tokens 3" in proc.stdout
 

@@ -39,18 +39,32 @@ class Harness:
         h = RequestHandle(None, rid, params, None, [1, 2, 3], time.monotonic())  # type: ignore[arg-type]
         n = params.n
         children = [
-            ChildState(key=f"{rid}#{i}", index=i, params=params,
-                       detok=IncrementalDetokenizer(self.tok, params))
+            ChildState(
+                key=f"{rid}#{i}",
+                index=i,
+                params=params,
+                detok=IncrementalDetokenizer(self.tok, params),
+            )
             for i in range(n)
         ]
-        live = LiveRequest(rid, 1, h, params, None, [1, 2, 3], children,
-                           RequestMetrics(time.monotonic()), max(interval, params.stream_interval))
+        live = LiveRequest(
+            rid,
+            1,
+            h,
+            params,
+            None,
+            [1, 2, 3],
+            children,
+            RequestMetrics(time.monotonic()),
+            max(interval, params.stream_interval),
+        )
         self.proc.add(live)
         return h
 
     def step(self, outs=(), finished=(), events=()) -> None:
-        self.proc.process(EngineCoreOutputs(outputs=list(outs), finished=set(finished),
-                                            events=list(events)))
+        self.proc.process(
+            EngineCoreOutputs(outputs=list(outs), finished=set(finished), events=list(events))
+        )
 
 
 def take(h: RequestHandle):
@@ -70,14 +84,17 @@ def tok(tiny_model: Path) -> Tokenizer:
 
 def test_stream_interval_first_and_final_always_sent(tok: Tokenizer) -> None:
     hn = Harness(tok)
-    h = hn.add("r", nb.SamplingParams(max_tokens=10, output_kind=Kind.DELTA, stream_interval=2),
-               interval=4)  # engine floor 4 beats the request's 2
+    h = hn.add(
+        "r", nb.SamplingParams(max_tokens=10, output_kind=Kind.DELTA, stream_interval=2), interval=4
+    )  # engine floor 4 beats the request's 2
     ids = byte_token_ids(tok, b"abcdefghij")
     sizes = []
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
-        hn.step([tok_out("r#0", t, FinishReason.LENGTH if last else None)],
-                finished=["r#0"] if last else [])
+        hn.step(
+            [tok_out("r#0", t, FinishReason.LENGTH if last else None)],
+            finished=["r#0"] if last else [],
+        )
         out = take(h)
         if out is not None:
             sizes.append(len(out.outputs[0].token_ids))
@@ -114,8 +131,18 @@ def test_unknown_keys_dropped_and_eos_needs_no_abort(tok: Tokenizer) -> None:
     hn = Harness(tok)
     h = hn.add("r", nb.SamplingParams())
     hn.step([tok_out("zzz#9", 5), tok_out("r#0", 70)], finished=["zzz#9"])
-    hn.step([EngineCoreOutput("r#0", [2], finish_reason=FinishReason.STOP, stop_reason=None,
-                              status=S.FINISHED_STOPPED)], finished=["r#0"])
+    hn.step(
+        [
+            EngineCoreOutput(
+                "r#0",
+                [2],
+                finish_reason=FinishReason.STOP,
+                stop_reason=None,
+                status=S.FINISHED_STOPPED,
+            )
+        ],
+        finished=["r#0"],
+    )
     r = h.result()
     assert r.outputs[0].finish_reason == "stop" and r.outputs[0].stop_reason is None
     assert hn.aborts == []
@@ -124,9 +151,13 @@ def test_unknown_keys_dropped_and_eos_needs_no_abort(tok: Tokenizer) -> None:
 def test_abort_parent_aborts_every_child_and_wins_over_same_step_finish(tok: Tokenizer) -> None:
     hn = Harness(tok)
     h = hn.add("p", nb.SamplingParams(n=2, output_kind=Kind.CUMULATIVE))
-    hn.step([tok_out("p#0", 70), tok_out("p#1", 71)],
-            events=[StatusEvent("p#0", S.RUNNING, time.monotonic()),
-                    StatusEvent("p#1", S.RUNNING, time.monotonic())])
+    hn.step(
+        [tok_out("p#0", 70), tok_out("p#1", 71)],
+        events=[
+            StatusEvent("p#0", S.RUNNING, time.monotonic()),
+            StatusEvent("p#1", S.RUNNING, time.monotonic()),
+        ],
+    )
     assert h.status is S.RUNNING
     fut = hn.proc.request_abort(hn.proc.requests["p"])
     assert hn.aborts == [["p#0", "p#1"]] and h.status is S.RELEASING
@@ -154,8 +185,12 @@ def test_lagging_delta_consumer_gets_merged_output(tok: Tokenizer) -> None:
     ids = byte_token_ids(tok, b"xyz")
     for i, t in enumerate(ids):
         last = i == 2
-        out = EngineCoreOutput("r#0", [t], new_logprobs=[{t: nb.Logprob(-0.5 * (i + 1), 1)}],
-                               finish_reason=FinishReason.LENGTH if last else None)
+        out = EngineCoreOutput(
+            "r#0",
+            [t],
+            new_logprobs=[{t: nb.Logprob(-0.5 * (i + 1), 1)}],
+            finish_reason=FinishReason.LENGTH if last else None,
+        )
         hn.step([out], finished=["r#0"] if last else [])
     merged = take(h)  # three puts, one get
     assert merged is not None and merged.finished
@@ -226,11 +261,14 @@ def test_child_events_cost_o1_whatever_n(tok: Tokenizer) -> None:
     params = nb.SamplingParams(n=512, max_tokens=5)
     h = RequestHandle(None, "big", params, None, [1, 2, 3], time.monotonic())  # type: ignore[arg-type]
     children = _CountingList(
-        ChildState(key=f"big#{i}", index=i, params=params, detok=IncrementalDetokenizer(tok, params))
+        ChildState(
+            key=f"big#{i}", index=i, params=params, detok=IncrementalDetokenizer(tok, params)
+        )
         for i in range(512)
     )
-    live = LiveRequest("big", 1, h, params, None, [1, 2, 3], children,
-                       RequestMetrics(time.monotonic()), 1)
+    live = LiveRequest(
+        "big", 1, h, params, None, [1, 2, 3], children, RequestMetrics(time.monotonic()), 1
+    )
     _CountingList.walks = 0
     hn.proc.add(live)
     assert _CountingList.walks == 1

@@ -43,7 +43,9 @@ def test_only_last_output_is_finished(engine: nb.Engine, n: int) -> None:
         total = dict.fromkeys(range(n), 0)
         for o in outs:
             for c in o.outputs:
-                total[c.index] = total[c.index] + len(c.token_ids) if kind is Kind.DELTA else len(c.token_ids)
+                total[c.index] = (
+                    total[c.index] + len(c.token_ids) if kind is Kind.DELTA else len(c.token_ids)
+                )
         assert total == dict.fromkeys(range(n), 6)
 
 
@@ -76,8 +78,9 @@ def test_multibyte_delta_equals_cumulative_equals_decode(engine: nb.Engine) -> N
     for seed in range(4):
         results = {}
         for kind in (Kind.DELTA, Kind.CUMULATIVE):
-            params = nb.SamplingParams(max_tokens=40, ignore_eos=True, seed=seed,
-                                       logit_bias=bias, output_kind=kind)
+            params = nb.SamplingParams(
+                max_tokens=40, ignore_eos=True, seed=seed, logit_bias=bias, output_kind=kind
+            )
             outs = list(engine.generate(PROMPTS[seed], params))
             if kind is Kind.DELTA:
                 text = "".join(o.outputs[0].text for o in outs)
@@ -95,8 +98,9 @@ def test_multibyte_delta_equals_cumulative_equals_decode(engine: nb.Engine) -> N
 
 
 def test_stream_interval_request_can_only_raise_it(engine: nb.Engine) -> None:
-    params = nb.SamplingParams(max_tokens=11, ignore_eos=True, stream_interval=4,
-                               output_kind=Kind.DELTA)
+    params = nb.SamplingParams(
+        max_tokens=11, ignore_eos=True, stream_interval=4, output_kind=Kind.DELTA
+    )
     outs = list(engine.generate("Hello", params))
     sizes = [len(o.outputs[0].token_ids) for o in outs]
     # A lagging consumer only sees merged (larger) deltas, so this holds whatever the timing.
@@ -106,15 +110,22 @@ def test_stream_interval_request_can_only_raise_it(engine: nb.Engine) -> None:
 
 def test_stop_string_finishes_and_id_is_reusable_at_once(engine: nb.Engine) -> None:
     # Find a stop string this greedy model produces after a few tokens.
-    ref = engine.generate("Once upon", nb.SamplingParams(max_tokens=30, ignore_eos=True,
-                                                         temperature=0)).result()
+    ref = engine.generate(
+        "Once upon", nb.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0)
+    ).result()
     text = ref.outputs[0].text
     assert len(text) > 12
     stop = text[8:11]
     first = text.find(stop)
     for include in (False, True):
-        params = nb.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0, stop=[stop],
-                                   include_stop_str_in_output=include, output_kind=Kind.DELTA)
+        params = nb.SamplingParams(
+            max_tokens=30,
+            ignore_eos=True,
+            temperature=0,
+            stop=[stop],
+            include_stop_str_in_output=include,
+            output_kind=Kind.DELTA,
+        )
         h = engine.generate("Once upon", params, request_id="stopper")
         outs = list(h)
         got = "".join(o.outputs[0].text for o in outs)
@@ -124,15 +135,17 @@ def test_stop_string_finishes_and_id_is_reusable_at_once(engine: nb.Engine) -> N
         assert h.status is nb.RequestStatus.FINISHED_STOPPED
         # The id is free the moment the final output is seen; the new request is not
         # hit by the stop-string ABORT of the old one.
-        h2 = engine.generate("Once upon", nb.SamplingParams(max_tokens=12, ignore_eos=True),
-                             request_id="stopper")
+        h2 = engine.generate(
+            "Once upon", nb.SamplingParams(max_tokens=12, ignore_eos=True), request_id="stopper"
+        )
         r2 = h2.result()
         assert len(r2.outputs[0].token_ids) == 12 and r2.outputs[0].finish_reason == "length"
 
 
 def test_logprobs_accumulate_with_decoded_tokens(engine: nb.Engine) -> None:
-    params = nb.SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, seed=1,
-                               output_kind=Kind.DELTA)
+    params = nb.SamplingParams(
+        max_tokens=5, ignore_eos=True, logprobs=2, seed=1, output_kind=Kind.DELTA
+    )
     h = engine.generate("Hello", params)
     outs = list(h)
     res = h.result().outputs[0]
@@ -167,8 +180,9 @@ def test_generate_from_many_threads(engine: nb.Engine) -> None:
     def worker(k: int) -> None:
         try:
             for j in range(5):
-                r = engine.generate("Hi", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                                    request_id=f"t{k}-{j}").result()
+                r = engine.generate(
+                    "Hi", nb.SamplingParams(max_tokens=3, ignore_eos=True), request_id=f"t{k}-{j}"
+                ).result()
                 results[k * 10 + j] = len(r.outputs[0].token_ids)
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
@@ -196,8 +210,9 @@ def test_metrics_hooks_see_requests_tokens_events_and_steps(engine: nb.Engine) -
     engine.add_observer(recorder)
     try:
         steps_before = len(engine.step_stats())
-        h = engine.generate("Hi", nb.SamplingParams(n=2, max_tokens=3, ignore_eos=True),
-                            request_id="hooks")
+        h = engine.generate(
+            "Hi", nb.SamplingParams(n=2, max_tokens=3, ignore_eos=True), request_id="hooks"
+        )
         h.result()
     finally:
         engine.remove_observer(recorder)
@@ -214,8 +229,10 @@ def test_metrics_hooks_see_requests_tokens_events_and_steps(engine: nb.Engine) -
 
 def test_prompt_logprobs_once_per_position_with_n(engine: nb.Engine) -> None:
     """n > 1 returns one prompt_logprobs entry per prompt position, not n copies."""
-    h = engine.generate("Once upon a time", nb.SamplingParams(
-        n=3, max_tokens=2, prompt_logprobs=2, ignore_eos=True, seed=0))
+    h = engine.generate(
+        "Once upon a time",
+        nb.SamplingParams(n=3, max_tokens=2, prompt_logprobs=2, ignore_eos=True, seed=0),
+    )
     final = h.result(timeout=60)
     plp = final.prompt_logprobs
     assert plp is not None and len(plp) == len(final.prompt_token_ids)

@@ -27,7 +27,9 @@ SUPPORTED_MINORS = range(10, 15)
 def _interpreters() -> dict[str, str]:
     found: dict[str, str] = {}
     for minor in SUPPORTED_MINORS:
-        candidates = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/3.{minor}.*/bin/python")))
+        candidates = sorted(
+            glob.glob(os.path.expanduser(f"~/.pyenv/versions/3.{minor}.*/bin/python"))
+        )
         candidates.append(shutil.which(f"python3.{minor}") or "")
         for path in candidates:
             # pyenv's shims answer for versions that are not selected: skip them.
@@ -41,8 +43,13 @@ def _run(python: str, *extra: str) -> int:
     # The harness needs sniffio only: put just that package on the other interpreter's path.
     sniffio_root = str(Path(sniffio.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": sniffio_root}
-    done = subprocess.run([python, str(HARNESS), waiter.__file__, *extra], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [python, str(HARNESS), waiter.__file__, *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return int(done.stdout.split("swallowed")[1].split()[0])
 

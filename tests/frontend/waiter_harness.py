@@ -38,7 +38,9 @@ def wait_for_waiter() -> tuple[Callable[[], None], Callable[[float], Awaitable[N
     return wake, wait
 
 
-async def trials(make: Callable[[], tuple[Callable[[], None], Callable[[float], Awaitable[None]]]]) -> int:
+async def trials(
+    make: Callable[[], tuple[Callable[[], None], Callable[[float], Awaitable[None]]]],
+) -> int:
     rng = random.Random(1)
     swallowed = 0
     for i in range(TRIALS):
@@ -61,7 +63,9 @@ async def trials(make: Callable[[], tuple[Callable[[], None], Callable[[float], 
             cancelled = task.cancel()
         elif mode == 2:
             delay = rng.random() * 0.0005
-            waker = threading.Thread(target=lambda delay=delay, wake=wake: (time.sleep(delay), wake()))
+            waker = threading.Thread(
+                target=lambda delay=delay, wake=wake: (time.sleep(delay), wake())
+            )
             waker.start()
             await asyncio.sleep(rng.random() * 0.0005)
             cancelled = task.cancel()

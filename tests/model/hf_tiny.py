@@ -26,8 +26,14 @@ HF_CLASSES = {
 }
 
 SHAPE: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.15,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.15,
 )
 
 
@@ -39,8 +45,16 @@ def make_hf_model(path: Path, arch: str, seed: int = 0, **config: Any) -> Path:
     ids = json.loads((path / "generation_config.json").read_text())
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[arch])
-    cfg = config_cls(**{**SHAPE, "vocab_size": vocab, "bos_token_id": ids["bos_token_id"],
-                        "eos_token_id": ids["eos_token_id"], "pad_token_id": 0, **config})
+    cfg = config_cls(
+        **{
+            **SHAPE,
+            "vocab_size": vocab,
+            "bos_token_id": ids["bos_token_id"],
+            "eos_token_id": ids["eos_token_id"],
+            "pad_token_id": 0,
+            **config,
+        }
+    )
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     with torch.no_grad():  # norm weights start at 0 (Gemma) or 1: make them random too

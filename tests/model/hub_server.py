@@ -42,8 +42,13 @@ def _git_blob_sha1(data: bytes) -> str:
 class HubRepo:
     """One model repo: its files (name -> bytes) at one commit, under branch ``main``."""
 
-    def __init__(self, repo_id: str, files: dict[str, bytes], commit: str = "c0ffee" * 6 + "beef",
-                 gated: bool = False) -> None:
+    def __init__(
+        self,
+        repo_id: str,
+        files: dict[str, bytes],
+        commit: str = "c0ffee" * 6 + "beef",
+        gated: bool = False,
+    ) -> None:
         self.repo_id = repo_id
         self.files = files
         self.commit = commit
@@ -57,11 +62,18 @@ class HubRepo:
     def tree(self) -> list[dict[str, object]]:
         out: list[dict[str, object]] = []
         for name, data in sorted(self.files.items()):
-            entry: dict[str, object] = {"type": "file", "path": name, "size": len(data),
-                                        "oid": _git_blob_sha1(data)}
+            entry: dict[str, object] = {
+                "type": "file",
+                "path": name,
+                "size": len(data),
+                "oid": _git_blob_sha1(data),
+            }
             if name.endswith((".safetensors", ".bin")):
-                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                "pointerSize": 134}
+                entry["lfs"] = {
+                    "oid": hashlib.sha256(data).hexdigest(),
+                    "size": len(data),
+                    "pointerSize": 134,
+                }
             out.append(entry)
         return out
 
@@ -117,8 +129,15 @@ class _Handler(BaseHTTPRequestHandler):
             if commit is None:
                 return
             if parts[4] == "revision":
-                self._json({"id": repo.repo_id, "sha": commit, "private": False,
-                            "gated": False, "siblings": [{"rfilename": n} for n in repo.files]})
+                self._json(
+                    {
+                        "id": repo.repo_id,
+                        "sha": commit,
+                        "private": False,
+                        "gated": False,
+                        "siblings": [{"rfilename": n} for n in repo.files],
+                    }
+                )
                 return
             if parts[4] == "tree":
                 self._json(repo.tree())
@@ -174,8 +193,9 @@ def serve_hub(*repos: HubRepo) -> Iterator[_HubServer]:
         thread.join(5)
 
 
-def repo_from_dir(repo_id: str, model_dir: Path, extra: dict[str, bytes] | None = None,
-                  **kwargs: object) -> HubRepo:
+def repo_from_dir(
+    repo_id: str, model_dir: Path, extra: dict[str, bytes] | None = None, **kwargs: object
+) -> HubRepo:
     """A HubRepo holding the files of ``model_dir`` plus ``extra`` files."""
     files = {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.is_file()}
     files.update(extra or {})

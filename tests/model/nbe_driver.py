@@ -27,7 +27,9 @@ class Tracked:
 
 
 class Driver:
-    def __init__(self, runner: ModelRunner, chunk_size: int | None = None, stop_at_eos: bool = True) -> None:
+    def __init__(
+        self, runner: ModelRunner, chunk_size: int | None = None, stop_at_eos: bool = True
+    ) -> None:
         self.runner = runner
         self.free = list(range(runner.num_kv_blocks))
         self.live: list[Tracked] = []
@@ -36,7 +38,9 @@ class Driver:
         self.steps: list[SchedulerOutput] = []
 
     def add(self, prompt: list[int], params: SamplingParams, max_new: int) -> Tracked:
-        req = Request(f"r{next(_ids)}", list(prompt), params, self.runner.eos_token_ids, time.monotonic())
+        req = Request(
+            f"r{next(_ids)}", list(prompt), params, self.runner.eos_token_ids, time.monotonic()
+        )
         t = Tracked(req, max_new)
         self.live.append(t)
         return t
@@ -54,7 +58,9 @@ class Driver:
             end = r.num_computed_tokens + n
             while len(t.blocks) * bs < end:
                 t.blocks.append(self.free.pop(0))
-            batch.chunks.append(ScheduledChunk(r, r.num_computed_tokens, n, list(t.blocks), end == r.num_tokens))
+            batch.chunks.append(
+                ScheduledChunk(r, r.num_computed_tokens, n, list(t.blocks), end == r.num_tokens)
+            )
         batch.chunks.sort(key=lambda c: c.num_tokens != 1)
         self.steps.append(batch)
         out = self.runner.execute(batch)
@@ -69,7 +75,9 @@ class Driver:
                 r.append_output_token(s.token_id)
                 t.logprobs.append(s.logprobs)
                 if r.num_output_tokens >= t.max_new or (
-                    self.stop_at_eos and s.token_id in r.eos_token_ids and not r.sampling_params.ignore_eos
+                    self.stop_at_eos
+                    and s.token_id in r.eos_token_ids
+                    and not r.sampling_params.ignore_eos
                 ):
                     t.done = True
                     shared = {b for o in self.live if o is not t and not o.done for b in o.blocks}
@@ -83,7 +91,9 @@ class Driver:
         while any(not t.done for t in self.live):
             self.step()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, max_new: int) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_new: int
+    ) -> list[list[int]]:
         tracked = [self.add(p, params, max_new) for p in prompts]
         self.run()
         return [t.req.output_token_ids for t in tracked]

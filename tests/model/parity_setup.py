@@ -23,13 +23,25 @@ class ParitySetup:
     ``Driver(stop_at_eos=False)`` does.
     """
 
-    def __init__(self, path: Path, texts: list[str], n_new: int, *, hf_attn: str | None = None,
-                 stop_at_eos: bool = True, **runner: Any) -> None:
-        self.runner = ModelRunner(EngineConfig.from_kwargs(
-            path, dtype="float32", block_size=4, num_kv_blocks=96, max_num_seqs=8, **runner))
+    def __init__(
+        self,
+        path: Path,
+        texts: list[str],
+        n_new: int,
+        *,
+        hf_attn: str | None = None,
+        stop_at_eos: bool = True,
+        **runner: Any,
+    ) -> None:
+        self.runner = ModelRunner(
+            EngineConfig.from_kwargs(
+                path, dtype="float32", block_size=4, num_kv_blocks=96, max_num_seqs=8, **runner
+            )
+        )
         hf_kw: dict[str, Any] = {"attn_implementation": hf_attn} if hf_attn else {}
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, **hf_kw).eval()
+            path, dtype=torch.float32, **hf_kw
+        ).eval()
         if not stop_at_eos:
             self.hf.generation_config.eos_token_id = None
         self.prompts = [self.runner.tokenizer.encode(t) for t in texts]
@@ -41,9 +53,10 @@ class ParitySetup:
         if i not in self._ref:
             p = self.prompts[i]
             with torch.no_grad():
-                out = self.hf.generate(torch.tensor([p]), max_new_tokens=self.n_new,
-                                       do_sample=False, pad_token_id=0)
-            self._ref[i] = out[0, len(p):].tolist()
+                out = self.hf.generate(
+                    torch.tensor([p]), max_new_tokens=self.n_new, do_sample=False, pad_token_id=0
+                )
+            self._ref[i] = out[0, len(p) :].tolist()
         return self._ref[i]
 
     def hf_logprobs(self, ids: list[int]) -> torch.Tensor:

@@ -27,19 +27,61 @@ transformers = pytest.importorskip("transformers")
 
 # family: (template, control tokens added as special, other added tokens, bos, eos)
 FAMILIES: dict[str, tuple[str, list[str], list[str], str | None, str]] = {
-    "llama3": (T.LLAMA_3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                           "<|end_header_id|>", "<|eot_id|>"], [], "<|begin_of_text|>", "<|eot_id|>"),
-    "llama3.2": (T.LLAMA_3_2, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                               "<|end_header_id|>", "<|eot_id|>"], [], "<|begin_of_text|>",
-                 "<|eot_id|>"),
-    "qwen2.5": (T.QWEN_2_5, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], [], None, "<|im_end|>"),
-    "qwen3": (T.QWEN_3, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ["<think>", "</think>"],
-              None, "<|im_end|>"),
+    "llama3": (
+        T.LLAMA_3,
+        [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ],
+        [],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
+    "llama3.2": (
+        T.LLAMA_3_2,
+        [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ],
+        [],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
+    "qwen2.5": (
+        T.QWEN_2_5,
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        [],
+        None,
+        "<|im_end|>",
+    ),
+    "qwen3": (
+        T.QWEN_3,
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        ["<think>", "</think>"],
+        None,
+        "<|im_end|>",
+    ),
     "mistral": (T.MISTRAL, ["<unk>", "<s>", "</s>"], [], "<s>", "</s>"),
-    "gemma": (T.GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], [],
-              "<bos>", "<eos>"),
-    "smollm2": (T.SMOLLM2, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], [], "<|im_start|>",
-                "<|im_end|>"),
+    "gemma": (
+        T.GEMMA,
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        [],
+        "<bos>",
+        "<eos>",
+    ),
+    "smollm2": (
+        T.SMOLLM2,
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        [],
+        "<|im_start|>",
+        "<|im_end|>",
+    ),
 }
 
 SYSTEM = {"role": "system", "content": "You are terse. Ünïcödé is fine."}
@@ -48,14 +90,25 @@ TURNS = [
     {"role": "assistant", "content": "A small blue stone in the river."},
     {"role": "user", "content": "  And what did her grandmother say?  "},
 ]
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city — «today»",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city — «today»",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
-def _tokenizer_dir(base: Path, tmp: Path, family: str, *, as_file: bool = False,
-                   named: bool = False) -> Path:
+def _tokenizer_dir(
+    base: Path, tmp: Path, family: str, *, as_file: bool = False, named: bool = False
+) -> Path:
     template, specials, added, bos, eos = FAMILIES[family]
     d = tmp / family
     d.mkdir(parents=True, exist_ok=True)
@@ -64,14 +117,20 @@ def _tokenizer_dir(base: Path, tmp: Path, family: str, *, as_file: bool = False,
     if added:
         tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in added])
     tok.save(str(d / "tokenizer.json"))
-    cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-                           "bos_token": bos, "clean_up_tokenization_spaces": False,
-                           "model_max_length": 1 << 20}
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "bos_token": bos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+    }
     if as_file:
         (d / "chat_template.jinja").write_text(template)
     elif named:
-        cfg["chat_template"] = [{"name": "default", "template": template},
-                                {"name": "tool_use", "template": T.QWEN_2_5}]
+        cfg["chat_template"] = [
+            {"name": "default", "template": template},
+            {"name": "tool_use", "template": T.QWEN_2_5},
+        ]
     else:
         cfg["chat_template"] = template
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -90,11 +149,14 @@ def _hf_ids(d: Path, messages: Any, **kw: Any) -> list[int]:
 
 
 def _our_ids(d: Path, messages: Any, **kw: Any) -> list[int]:
-    template_kwargs = {k: kw.pop(k) for k in list(kw)
-                       if k not in ("add_generation_prompt", "continue_final_message", "tools",
-                                    "chat_template")}
-    return render_chat(Tokenizer.from_dir(d), messages, chat_template_kwargs=template_kwargs,
-                       **kw).token_ids
+    template_kwargs = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k not in ("add_generation_prompt", "continue_final_message", "tools", "chat_template")
+    }
+    return render_chat(
+        Tokenizer.from_dir(d), messages, chat_template_kwargs=template_kwargs, **kw
+    ).token_ids
 
 
 CASES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
@@ -105,9 +167,19 @@ CASES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
     ("qwen2.5", TURNS, {"tools": TOOLS}),
     ("qwen3", [SYSTEM, *TURNS], {}),
     ("qwen3", TURNS, {"enable_thinking": False}),
-    ("qwen3", [*TURNS[:1], {"role": "assistant", "content": "Stone.",
-                            "reasoning_content": "She found it in the river."}, TURNS[2]],
-     {"enable_thinking": True}),
+    (
+        "qwen3",
+        [
+            *TURNS[:1],
+            {
+                "role": "assistant",
+                "content": "Stone.",
+                "reasoning_content": "She found it in the river.",
+            },
+            TURNS[2],
+        ],
+        {"enable_thinking": True},
+    ),
     ("mistral", TURNS, {}),
     ("gemma", TURNS, {}),
     ("smollm2", TURNS, {}),
@@ -115,10 +187,12 @@ CASES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.parametrize("family,messages,kw", CASES,
-                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_prompt_ids_equal_transformers(base: Path, tmp_path: Path, family: str,
-                                       messages: list[dict[str, Any]], kw: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "family,messages,kw", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
+def test_prompt_ids_equal_transformers(
+    base: Path, tmp_path: Path, family: str, messages: list[dict[str, Any]], kw: dict[str, Any]
+) -> None:
     d = _tokenizer_dir(base, tmp_path, family)
     for add_generation_prompt in (True, False):
         ours = _our_ids(d, messages, add_generation_prompt=add_generation_prompt, **dict(kw))
@@ -136,8 +210,7 @@ def test_continue_final_message_matches_transformers(base: Path, tmp_path: Path)
     for family in ("qwen2.5", "llama3", "gemma"):
         d = _tokenizer_dir(base, tmp_path, family)
         ours = _our_ids(d, prefill, add_generation_prompt=False, continue_final_message=True)
-        assert ours == _hf_ids(d, prefill, add_generation_prompt=False,
-                               continue_final_message=True)
+        assert ours == _hf_ids(d, prefill, add_generation_prompt=False, continue_final_message=True)
         text = Tokenizer.from_dir(d).decode(ours, skip_special_tokens=False)
         assert text.rstrip().endswith("She said:")  # open: no end-of-turn after the prefill
 
@@ -145,12 +218,15 @@ def test_continue_final_message_matches_transformers(base: Path, tmp_path: Path)
 def test_template_file_and_named_templates(base: Path, tmp_path: Path) -> None:
     d = _tokenizer_dir(base, tmp_path / "file", "smollm2", as_file=True)
     assert json.loads((d / "tokenizer_config.json").read_text()).get("chat_template") is None
-    assert _our_ids(d, TURNS, add_generation_prompt=True) == _hf_ids(d, TURNS, add_generation_prompt=True)
+    assert _our_ids(d, TURNS, add_generation_prompt=True) == _hf_ids(
+        d, TURNS, add_generation_prompt=True
+    )
 
     d = _tokenizer_dir(base, tmp_path / "named", "qwen3", named=True)
     for kw in ({}, {"tools": TOOLS}, {"chat_template": "tool_use"}):
         assert _our_ids(d, TURNS, add_generation_prompt=True, **kw) == _hf_ids(
-            d, TURNS, add_generation_prompt=True, **kw)
+            d, TURNS, add_generation_prompt=True, **kw
+        )
     assert "# Tools" in ChatTemplate.from_dir(d).render(TURNS, tools=TOOLS)  # the tool_use one
 
 
@@ -186,8 +262,11 @@ def test_sandbox_and_helpers(base: Path, tmp_path: Path) -> None:
         t.render(TURNS, chat_template="{{ messages.__class__.__mro__ }}")
     today = t.render(TURNS, chat_template="{{ strftime_now('%Y-%m-%d') }}")
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", today)
-    out = t.render(TURNS, tools=TOOLS,
-                   chat_template="{% for x in [1, 2, 3] %}{% if x == 2 %}{% break %}{% endif %}"
-                                 "{{ x }}{% endfor %}|{{ tools[0] | tojson(indent=2) }}")
+    out = t.render(
+        TURNS,
+        tools=TOOLS,
+        chat_template="{% for x in [1, 2, 3] %}{% if x == 2 %}{% break %}{% endif %}"
+        "{{ x }}{% endfor %}|{{ tools[0] | tojson(indent=2) }}",
+    )
     assert out == "1|" + json.dumps(TOOLS[0], ensure_ascii=False, indent=2)
     assert "«today»" in out and "\\u00ab" not in out  # ensure_ascii=False, as transformers

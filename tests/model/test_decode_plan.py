@@ -25,24 +25,34 @@ from nbengine.testing import make_tiny_model
 # Required: a skip is reported loudly, and fails under NBENGINE_REQUIRE_ALL=1 (tests/conftest.py).
 pytestmark = [
     pytest.mark.required,
-    pytest.mark.skipif(native.kernels() is None,
-                       reason=f"native kernels: {native.unavailable_reason()}"),
+    pytest.mark.skipif(
+        native.kernels() is None, reason=f"native kernels: {native.unavailable_reason()}"
+    ),
 ]
 
 
-def _run(path: Path, plans: bool, threads: int, quantization: str | None = None
-         ) -> tuple[dict[str, list[tuple[int, float]]], bool]:
+def _run(
+    path: Path, plans: bool, threads: int, quantization: str | None = None
+) -> tuple[dict[str, list[tuple[int, float]]], bool]:
     torch.set_num_threads(threads)
-    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", max_num_seqs=24,
-                                               max_num_batched_tokens=64, block_size=4,
-                                               quantization=quantization))
+    core = EngineCore(
+        EngineConfig.from_kwargs(
+            path,
+            dtype="bfloat16",
+            max_num_seqs=24,
+            max_num_batched_tokens=64,
+            block_size=4,
+            quantization=quantization,
+        )
+    )
     model = core.runner.model
     model.decode_plans_enabled = plans
     rng = random.Random(0)
     for i in range(20):
         prompt = [rng.randrange(3, 200) for _ in range(rng.randint(1, 30))]
-        params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0, ignore_eos=True,
-                                logprobs=1)
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 24), temperature=0, ignore_eos=True, logprobs=1
+        )
         core.add_request(EngineCoreRequest(f"r{i}", prompt, params, time.time()))
     got: dict[str, list[tuple[int, float]]] = {}
     while core.has_unfinished_requests():
@@ -58,9 +68,16 @@ def _run(path: Path, plans: bool, threads: int, quantization: str | None = None
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_plan_matches_module_path(tmp_path: Path, arch: str, threads: int) -> None:
-    path = make_tiny_model(tmp_path / arch, arch, hidden_size=128, intermediate_size=192,
-                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                           weight_std=0.05)
+    path = make_tiny_model(
+        tmp_path / arch,
+        arch,
+        hidden_size=128,
+        intermediate_size=192,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        weight_std=0.05,
+    )
     fused, used = _run(path, plans=True, threads=threads)
     modular, used_modular = _run(path, plans=False, threads=threads)
     assert used and not used_modular, "the plan ran only where enabled"
@@ -70,12 +87,20 @@ def test_decode_plan_matches_module_path(tmp_path: Path, arch: str, threads: int
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_quantized_decode_plan_matches_module_path(tmp_path: Path, quantization: str,
-                                                   threads: int) -> None:
+def test_quantized_decode_plan_matches_module_path(
+    tmp_path: Path, quantization: str, threads: int
+) -> None:
     # intermediate 96: down_proj's inputs end in a partial int4 group.
-    path = make_tiny_model(tmp_path / "m", "llama", hidden_size=128, intermediate_size=96,
-                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                           weight_std=0.05)
+    path = make_tiny_model(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        weight_std=0.05,
+    )
     fused, used = _run(path, plans=True, threads=threads, quantization=quantization)
     modular, used_modular = _run(path, plans=False, threads=threads, quantization=quantization)
     assert used and not used_modular, "the plan ran only where enabled"
@@ -86,9 +111,17 @@ def test_quantized_decode_plan_matches_module_path(tmp_path: Path, quantization:
 def test_sliding_window_model_decodes_through_the_plan(tmp_path: Path) -> None:
     # Contexts grow past the 8-token window (and blocks behind it are freed): the plan's
     # attention starts at each window like the module path's, token for token.
-    path = make_tiny_model(tmp_path / "m", "mistral", hidden_size=128, intermediate_size=192,
-                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                           weight_std=0.05, sliding_window=8)
+    path = make_tiny_model(
+        tmp_path / "m",
+        "mistral",
+        hidden_size=128,
+        intermediate_size=192,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        weight_std=0.05,
+        sliding_window=8,
+    )
     results = []
     for plans in (True, False):
         core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
@@ -126,9 +159,16 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
 def test_single_sequence_split_across_threads_matches(tmp_path: Path) -> None:
     # One sequence on two threads takes the kernel's weight-splitting path; the chooser
     # tries both thread counts first, so both paths produce tokens here.
-    path = make_tiny_model(tmp_path / "m", "llama", hidden_size=128, intermediate_size=192,
-                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                           weight_std=0.05)
+    path = make_tiny_model(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=192,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        weight_std=0.05,
+    )
     results = []
     for plans in (True, False):
         torch.set_num_threads(2)
@@ -139,8 +179,10 @@ def test_single_sequence_split_across_threads_matches(tmp_path: Path) -> None:
         got = []
         while core.has_unfinished_requests():
             for out in core.step().outputs:
-                got += [(t, {k: v.logprob for k, v in lp.items()})
-                        for t, lp in zip(out.new_token_ids, out.new_logprobs or [])]
+                got += [
+                    (t, {k: v.logprob for k, v in lp.items()})
+                    for t, lp in zip(out.new_token_ids, out.new_logprobs or [])
+                ]
         plan = core.runner.model._plan
         if plans:
             assert plan is not None and set(plan.threads.seconds) == {1, 2}

@@ -48,7 +48,10 @@ def _run(code: str, env: dict[str, str]) -> tuple[dict[str, object], str]:
     base.update(env)
     proc = subprocess.run(
         [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
-        env=base, capture_output=True, text=True, timeout=300,
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
@@ -62,16 +65,30 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_repo_ids_and_paths_are_told_apart() -> None:
     for repo in ("gpt2", "Qwen/Qwen2.5-0.5B-Instruct", "meta-llama/Llama-3.2-1B", "a_b/c.d"):
         assert is_hub_repo_id(repo)
-    for path in ("./model", "../m", "/abs/model", "~/m", "a/b/c", "a\\b", "org/-x", "org/x.",
-                 "a--b/c", "", "org/"):
+    for path in (
+        "./model",
+        "../m",
+        "/abs/model",
+        "~/m",
+        "a/b/c",
+        "a\\b",
+        "org/-x",
+        "org/x.",
+        "a--b/c",
+        "",
+        "org/",
+    ):
         assert not is_hub_repo_id(path)
 
 
 @pytest.mark.slow  # fresh Python processes
-def test_hub_cache_resolves_offline_via_hf_hub_cache_and_hf_home(tiny: Path, tmp_path: Path) -> None:
+def test_hub_cache_resolves_offline_via_hf_hub_cache_and_hf_home(
+    tiny: Path, tmp_path: Path
+) -> None:
     snap = make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny)
     make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny, revision="v1")
-    result, _ = _run(f"""
+    result, _ = _run(
+        f"""
         print(json.dumps({{
             "path": outcome(lambda: resolve_model_dir("tiny-org/tiny-llama")),
             "tag": outcome(lambda: resolve_model_dir("tiny-org/tiny-llama", revision="v1")),
@@ -80,7 +97,9 @@ def test_hub_cache_resolves_offline_via_hf_hub_cache_and_hf_home(tiny: Path, tmp
             "missing": outcome(lambda: resolve_model_dir("tiny-org/not-cached")),
             "bad_rev": outcome(lambda: nb.Engine("tiny-org/tiny-llama", revision="v2")),
         }}))
-    """, {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    """,
+        {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"},
+    )
     assert result["path"] == {"ok": str(snap)}
     assert result["tag"] == {"ok": str(snap)}
     assert result["hub_ids"] == result["dir_ids"] and len(result["hub_ids"]) == 8
@@ -94,9 +113,12 @@ def test_hub_cache_resolves_offline_via_hf_hub_cache_and_hf_home(tiny: Path, tmp
     # refuses connections: a complete cached snapshot needs no network at all.
     home = tmp_path / "home"
     snap2 = make_hub_cache(home / "hub", "tiny-org/tiny-llama", tiny)
-    result, _ = _run("""
+    result, _ = _run(
+        """
         print(json.dumps({"path": outcome(lambda: resolve_model_dir("tiny-org/tiny-llama"))}))
-    """, {"HF_HOME": str(home), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    """,
+        {"HF_HOME": str(home), "HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
     assert result["path"] == {"ok": str(snap2)}
 
 
@@ -105,11 +127,14 @@ def test_local_directory_wins_over_a_hub_id(tiny: Path, tmp_path: Path) -> None:
     local = tmp_path / "org" / "name"
     local.parent.mkdir()
     local.symlink_to(tiny, target_is_directory=True)
-    result, _ = _run("""
+    result, _ = _run(
+        """
         import os
         os.chdir(os.environ["WORKDIR"])
         print(json.dumps({"path": outcome(lambda: resolve_model_dir("org/name"))}))
-    """, {"WORKDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "c")})
+    """,
+        {"WORKDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "c")},
+    )
     assert result["path"] == {"ok": "org/name"}
 
 
@@ -124,8 +149,10 @@ def _sharded_repo(tiny: Path, tmp_path: Path, repo_id: str) -> tuple[HubRepo, Pa
             (d / f.name).write_bytes(f.read_bytes())
     weights = load_file(tiny / "model.safetensors")
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for shard, keys in shards.items():
         save_file({k: weights[k] for k in keys}, str(d / shard), metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: s for s, ks in shards.items() for k in ks}}
@@ -148,7 +175,8 @@ def test_download_fetches_only_the_files_the_engine_reads(tiny: Path, tmp_path: 
     cache = tmp_path / "cache"
     with serve_hub(repo, gated) as server:
         host, port = server.server_address[:2]
-        result, stderr = _run(f"""
+        result, stderr = _run(
+            f"""
             print(json.dumps({{
                 "path": outcome(lambda: resolve_model_dir("tiny-org/sharded")),
                 "hub_ids": greedy("tiny-org/sharded"),
@@ -157,28 +185,45 @@ def test_download_fetches_only_the_files_the_engine_reads(tiny: Path, tmp_path: 
                 "gated": outcome(lambda: nb.Engine("tiny-org/gated")),
                 "bad_rev": outcome(lambda: nb.Engine("tiny-org/sharded", revision="no-such-branch")),
             }}))
-        """, {"HF_ENDPOINT": f"http://{host}:{port}", "HF_HUB_CACHE": str(cache)})
+        """,
+            {"HF_ENDPOINT": f"http://{host}:{port}", "HF_HUB_CACHE": str(cache)},
+        )
         log = list(server.log)
     snap = Path(result["path"]["ok"])
     assert snap.parent.parent == cache / "models--tiny-org--sharded"
     assert snap.name == repo.commit
     assert (cache / "models--tiny-org--sharded" / "refs" / "main").read_text() == repo.commit
-    wanted = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-              "model-00002-of-00002.safetensors"}
+    wanted = {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    }
     assert {p.name for p in snap.iterdir()} == wanted
-    fetched = {path.split("/resolve/")[1].split("/", 1)[1]
-               for method, path in log if method == "GET" and "/resolve/" in path}
+    fetched = {
+        path.split("/resolve/")[1].split("/", 1)[1]
+        for method, path in log
+        if method == "GET" and "/resolve/" in path
+    }
     assert fetched == wanted  # never *.bin, code, README, subfolders or the unlisted copy
     assert result["hub_ids"] == result["dir_ids"] and len(result["hub_ids"]) == 8
     assert "Fetching" in stderr  # huggingface_hub's progress bars (tqdm.auto)
 
     missing, gated_err, bad_rev = result["missing"], result["gated"], result["bad_rev"]
     assert missing["error"] == "ModelLoadError"
-    assert "'tiny-org/no-such-model' is neither a local directory nor a model on the " \
-           "Hugging Face Hub" in missing["message"] and "HF_TOKEN" in missing["message"]
+    assert (
+        "'tiny-org/no-such-model' is neither a local directory nor a model on the Hugging Face Hub"
+        in missing["message"]
+        and "HF_TOKEN" in missing["message"]
+    )
     assert gated_err["error"] == "ModelLoadError"
-    assert "gated" in gated_err["message"] and "https://huggingface.co/tiny-org/gated" in gated_err["message"]
+    assert (
+        "gated" in gated_err["message"]
+        and "https://huggingface.co/tiny-org/gated" in gated_err["message"]
+    )
     assert bad_rev["error"] == "ModelLoadError"
     assert "has no revision 'no-such-branch'" in bad_rev["message"]
 
@@ -189,18 +234,28 @@ def test_download_fetches_only_the_files_the_engine_reads(tiny: Path, tmp_path: 
         assert os.readlink(snap / name) == os.readlink(mine / name), name
 
     # The server is gone and HF_HUB_OFFLINE is not set: the cached snapshot is used as is.
-    result, _ = _run("""
+    result, _ = _run(
+        """
         print(json.dumps({"path": outcome(lambda: resolve_model_dir("tiny-org/sharded"))}))
-    """, {"HF_ENDPOINT": f"http://{host}:{port}", "HF_HUB_CACHE": str(cache)})
+    """,
+        {"HF_ENDPOINT": f"http://{host}:{port}", "HF_HUB_CACHE": str(cache)},
+    )
     assert result["path"] == {"ok": str(snap)}
 
 
 @pytest.mark.slow  # fresh Python processes
 def test_unreachable_hub_and_empty_cache_says_so(tmp_path: Path) -> None:
-    result, _ = _run("""
+    result, _ = _run(
+        """
         print(json.dumps({"e": outcome(lambda: resolve_model_dir("tiny-org/tiny"))}))
-    """, {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp_path / "c"),
-          "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"})
+    """,
+        {
+            "HF_ENDPOINT": "http://127.0.0.1:9",
+            "HF_HUB_CACHE": str(tmp_path / "c"),
+            "HF_HUB_ETAG_TIMEOUT": "2",
+            "HF_HUB_DOWNLOAD_TIMEOUT": "2",
+        },
+    )
     err = result["e"]
     assert err["error"] == "ModelLoadError", err
     assert "Cannot reach the Hugging Face Hub (http://127.0.0.1:9)" in err["message"]
@@ -208,14 +263,17 @@ def test_unreachable_hub_and_empty_cache_says_so(tmp_path: Path) -> None:
 
 
 def test_snapshot_links_into_blobs_are_inside_but_links_elsewhere_are_not(
-        tiny: Path, tmp_path: Path) -> None:
+    tiny: Path, tmp_path: Path
+) -> None:
     from nbengine.model import ModelLoadError
     from nbengine.model.loader import _weight_files
 
     _, src = _sharded_repo(tiny, tmp_path, "tiny-org/sharded")
     snap = make_hub_cache(tmp_path / "hub", "tiny-org/sharded", src)
-    assert [f.name for f in _weight_files(snap)] == ["model-00001-of-00002.safetensors",
-                                                    "model-00002-of-00002.safetensors"]
+    assert [f.name for f in _weight_files(snap)] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     outside = tmp_path / "elsewhere.safetensors"
     outside.write_bytes((snap / "model-00001-of-00002.safetensors").read_bytes())
     (snap / "model-00001-of-00002.safetensors").unlink()

@@ -53,18 +53,44 @@ def test_transformers_loads_tiny_model_and_tokenizer(arch: str, tmp_path: Path) 
 
 
 def test_make_tiny_model_config_overrides_and_determinism(tmp_path: Path) -> None:
-    a = make_tiny_model(tmp_path / "a", "qwen3", seed=3, hidden_size=32, num_hidden_layers=3,
-                        num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    b = make_tiny_model(tmp_path / "b", "qwen3", seed=3, hidden_size=32, num_hidden_layers=3,
-                        num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    a = make_tiny_model(
+        tmp_path / "a",
+        "qwen3",
+        seed=3,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    b = make_tiny_model(
+        tmp_path / "b",
+        "qwen3",
+        seed=3,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     cfg = json.loads((a / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]) == (32, 3, 8)
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert wa["model.layers.2.self_attn.k_proj.weight"].shape == (8, 32)
-    c = make_tiny_model(tmp_path / "c", "qwen3", seed=4, hidden_size=32, num_hidden_layers=3,
-                        num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    assert not torch.equal(load_file(c / "model.safetensors")["model.norm.weight"], wa["model.norm.weight"])
+    c = make_tiny_model(
+        tmp_path / "c",
+        "qwen3",
+        seed=4,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    assert not torch.equal(
+        load_file(c / "model.safetensors")["model.norm.weight"], wa["model.norm.weight"]
+    )
 
 
 def test_loaded_model_fields(llama_dir: Path) -> None:
@@ -84,7 +110,10 @@ def test_sharded_checkpoint_loads_identically(llama_dir: Path, tmp_path: Path) -
     (d / "model.safetensors").unlink()
     names = sorted(weights)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for fname, keys in shards.items():
         save_file({k: weights[k] for k in keys}, str(d / fname), metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
@@ -137,7 +166,9 @@ def test_wrong_shape_is_named(llama_dir: Path, tmp_path: Path) -> None:
     cfg = json.loads((d / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"gate_proj\.weight.*shape \(128, 64\), expected \(96, 64\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"gate_proj\.weight.*shape \(128, 64\), expected \(96, 64\)"
+    ):
         load_model(ModelConfig(model=d))
 
 
@@ -164,8 +195,9 @@ def test_sliding_window_keeps_max_model_len_and_names_the_kv_window(tmp_path: Pa
     loaded2 = load_model(ModelConfig(model=d2))
     assert loaded2.max_model_len == 256 and loaded2.kv_sliding_window is None
     # Qwen2 windows only the layers from max_window_layers on: no block can be freed.
-    d3 = make_tiny_model(tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=16,
-                         num_hidden_layers=3)
+    d3 = make_tiny_model(
+        tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=16, num_hidden_layers=3
+    )
     cfg = json.loads((d3 / "config.json").read_text())
     cfg["max_window_layers"] = 1
     (d3 / "config.json").write_text(json.dumps(cfg))
@@ -177,7 +209,9 @@ def test_gpt2_checkpoint_without_transformer_prefix(tmp_path: Path) -> None:
     d = make_tiny_model(tmp_path / "g", "gpt2")
     ref = load_model(ModelConfig(model=d)).model.state_dict()
     w = load_file(d / "model.safetensors")
-    save_file({k.removeprefix("transformer."): v for k, v in w.items()}, str(d / "model.safetensors"))
+    save_file(
+        {k.removeprefix("transformer."): v for k, v in w.items()}, str(d / "model.safetensors")
+    )
     got = load_model(ModelConfig(model=d)).model.state_dict()
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
@@ -200,17 +234,28 @@ def _edit_config(path: Path, **changes: object) -> Path:
 
 
 def test_unsupported_gemma_activation_and_bad_longrope_are_named(tmp_path: Path) -> None:
-    d = _edit_config(make_tiny_model(tmp_path / "g", "llama"), architectures=["Gemma2ForCausalLM"],
-                     head_dim=16, hidden_activation="relu")
+    d = _edit_config(
+        make_tiny_model(tmp_path / "g", "llama"),
+        architectures=["Gemma2ForCausalLM"],
+        head_dim=16,
+        hidden_activation="relu",
+    )
     with pytest.raises(ModelLoadError, match="hidden_activation 'relu'"):
         load_model(ModelConfig(model=d))
-    d2 = _edit_config(make_tiny_model(tmp_path / "p", "llama"), architectures=["Phi3ForCausalLM"],
-                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.0],
-                                    "long_factor": [1.0, 1.0],
-                                    "original_max_position_embeddings": 64})
+    d2 = _edit_config(
+        make_tiny_model(tmp_path / "p", "llama"),
+        architectures=["Phi3ForCausalLM"],
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.0],
+            "long_factor": [1.0, 1.0],
+            "original_max_position_embeddings": 64,
+        },
+    )
     with pytest.raises(ModelLoadError, match="longrope factors"):
         load_model(ModelConfig(model=d2))
-    d3 = _edit_config(make_tiny_model(tmp_path / "r", "llama"),
-                      rope_scaling={"rope_type": "mrope", "factor": 2.0})
+    d3 = _edit_config(
+        make_tiny_model(tmp_path / "r", "llama"), rope_scaling={"rope_type": "mrope", "factor": 2.0}
+    )
     with pytest.raises(ModelLoadError, match="'mrope'"):
         load_model(ModelConfig(model=d3))

@@ -31,19 +31,25 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-@pytest.mark.parametrize("arch,dtype,extra", [
-    ("llama", "float32", {}),
-    ("llama", "float32", {"tie_word_embeddings": True}),
-    ("qwen3", "bfloat16", {}),
-    ("gpt2", "float32", {}),
-])
-def test_weight_estimate_equals_the_loaded_parameters(tmp_path: Path, arch: str, dtype: str,
-                                                      extra: dict[str, object]) -> None:
+@pytest.mark.parametrize(
+    "arch,dtype,extra",
+    [
+        ("llama", "float32", {}),
+        ("llama", "float32", {"tie_word_embeddings": True}),
+        ("qwen3", "bfloat16", {}),
+        ("gpt2", "float32", {}),
+    ],
+)
+def test_weight_estimate_equals_the_loaded_parameters(
+    tmp_path: Path, arch: str, dtype: str, extra: dict[str, object]
+) -> None:
     path = make_tiny_model(tmp_path / arch, arch, **extra)
     plans: list[MemoryPlan] = []
     config = EngineConfig.from_kwargs(path, dtype=dtype, **KW)
-    loaded = load_model(ModelConfig(model=path, dtype=dtype),
-                        before_weights=lambda *a: plans.append(plan_memory(config, *a)))
+    loaded = load_model(
+        ModelConfig(model=path, dtype=dtype),
+        before_weights=lambda *a: plans.append(plan_memory(config, *a)),
+    )
     assert plans[0].weights_bytes == _param_bytes(loaded.model)
 
 
@@ -52,8 +58,9 @@ def test_engine_allocates_the_planned_kv_cache_and_shows_the_plan(tmp_path: Path
     with nb.Engine(str(path), kv_cache_memory_gb=None, **KW) as engine:
         runner = engine._core.runner
         plan = runner.memory_plan
-        allocated = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                        for k, v in runner.kv_caches)
+        allocated = sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches
+        )
         assert plan.kv_cache_bytes == allocated
         # Free memory is plentiful here, so the pool is what 4 full-length sequences use.
         assert plan.num_kv_blocks == 4 * (256 // 16) == runner.num_kv_blocks
@@ -93,8 +100,9 @@ def test_a_context_too_long_for_free_memory_fails_with_numbers(tmp_path: Path) -
     # 2**36 positions: one full-length sequence needs 2**36 tokens * 256 B = 16 TiB of KV
     # (K and V * 2 layers * 2 KV heads * 8 dims * 4 bytes = 256 B per token), more than
     # any machine this runs on.
-    path = make_tiny_model(tmp_path / "long", "llama", **{**TINY_LLAMA,
-                                                          "max_position_embeddings": 1 << 36})
+    path = make_tiny_model(
+        tmp_path / "long", "llama", **{**TINY_LLAMA, "max_position_embeddings": 1 << 36}
+    )
     with pytest.raises(InsufficientMemoryError) as info:
         nb.Engine(str(path), kv_cache_memory_gb=None, **KW)
     msg = str(info.value)
@@ -110,8 +118,13 @@ def test_weights_too_big_fail_before_they_are_read(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / "huge", "llama", **TINY_LLAMA)
     # A header that declares a 1 TiB embedding and no data behind it: reading it would
     # fail, so the error below proves nothing was read.
-    header = {"model.embed_tokens.weight": {"dtype": "F32", "shape": [1 << 22, 1 << 16],
-                                            "data_offsets": [0, 1 << 40]}}
+    header = {
+        "model.embed_tokens.weight": {
+            "dtype": "F32",
+            "shape": [1 << 22, 1 << 16],
+            "data_offsets": [0, 1 << 40],
+        }
+    }
     raw = json.dumps(header).encode()
     (path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     with pytest.raises(InsufficientMemoryError, match=r"weights 1\.0 TiB \(float32\)") as info:

@@ -11,14 +11,24 @@ from nbengine.testing import make_tiny_model
 transformers = pytest.importorskip("transformers")
 from parity_setup import ParitySetup  # noqa: E402  (imports transformers)
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 CASES = {
     "llama": ("llama", {}),
-    "llama-tied-llama3rope": ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE,
-                                        "rope_theta": 500000.0}),
-    "llama-bias-mha": ("llama", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 4}),
+    "llama-tied-llama3rope": (
+        "llama",
+        {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
+    ),
+    "llama-bias-mha": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 4},
+    ),
     "mistral": ("mistral", {"num_key_value_heads": 1}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
@@ -49,7 +59,9 @@ def test_batch_of_three_decoded_together_matches_transformers(setup: ParitySetup
     d = Driver(setup.runner)
     got = d.generate(setup.prompts, GREEDY, N_NEW)
     assert got == [setup.hf_greedy(i) for i in range(3)]
-    assert any(sum(c.num_tokens == 1 for c in b.chunks) >= 3 for b in d.steps), "decodes were batched"
+    assert any(sum(c.num_tokens == 1 for c in b.chunks) >= 3 for b in d.steps), (
+        "decodes were batched"
+    )
 
 
 def test_chunked_prefill_matches_transformers(setup: ParitySetup) -> None:
@@ -92,5 +104,7 @@ def test_seeded_sampling_same_alone_and_in_a_batch(setup: ParitySetup) -> None:
     d.add(setup.prompts[2], SamplingParams(temperature=0.8, seed=7), 12)
     d.run()
     assert mine.req.output_token_ids == alone
-    other = Driver(setup.runner).generate([setup.prompts[0]], SamplingParams(temperature=1.0, top_p=0.95, seed=43), 12)[0]
+    other = Driver(setup.runner).generate(
+        [setup.prompts[0]], SamplingParams(temperature=1.0, top_p=0.95, seed=43), 12
+    )[0]
     assert other != alone

@@ -20,39 +20,83 @@ from nbengine.sampling_params import SamplingParams
 transformers = pytest.importorskip("transformers")
 from parity_setup import ParitySetup  # noqa: E402  (imports transformers)
 
-LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
-            "long_factor": [1.0 + 0.7 * i for i in range(6)]}
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(6)],
+    "long_factor": [1.0 + 0.7 * i for i in range(6)],
+}
 
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # name: (arch, config fields, runner options)
     "mistral-window": ("mistral", {"sliding_window": 8}, {}),
-    "qwen2-mixed-window-yarn": ("qwen2", {
-        "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2,
-        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    }, {}),
+    "qwen2-mixed-window-yarn": (
+        "qwen2",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 2,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        {},
+    ),
     "llama-dynamic-rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, {}),
-    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24,
-                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
-                          "tie_word_embeddings": False}, {}),
-    "gemma3": ("gemma3", {"sliding_window": 8, "query_pre_attn_scalar": 24,
-                          "tie_word_embeddings": False,
-                          "layer_types": ["sliding_attention", "sliding_attention",
-                                          "full_attention", "sliding_attention"],
-                          "rope_parameters": {
-                              "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                              "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                 "rope_theta": 1000.0}}}, {}),
+    "gemma2": (
+        "gemma2",
+        {
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "tie_word_embeddings": False,
+        },
+        {},
+    ),
+    "gemma3": (
+        "gemma3",
+        {
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": False,
+            "layer_types": [
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+            },
+        },
+        {},
+    ),
     # Phi-4-mini-like: partial rotary (3/4 of each head), longrope; short factors apply
     # while max_model_len stays within original_max_position_embeddings.
-    "phi3-longrope-short": ("phi3", {"partial_rotary_factor": 0.75,
-                                     "original_max_position_embeddings": 64,
-                                     "rope_scaling": LONGROPE}, {"max_model_len": 64}),
+    "phi3-longrope-short": (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 64,
+            "rope_scaling": LONGROPE,
+        },
+        {"max_model_len": 64},
+    ),
     "phi3-window": ("phi3", {"sliding_window": 8}, {}),
-    "qwen3-every-layer-windowed": ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
-                                             "max_window_layers": 0}, {}),
+    "qwen3-every-layer-windowed": (
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+        {},
+    ),
     # The layers without rope are the windowed ones (transformers' default layer_types).
-    "smollm3-window": ("smollm3", {"no_rope_layers": [1, 0, 1, 0], "use_sliding_window": True,
-                                   "sliding_window": 8}, {}),
+    "smollm3-window": (
+        "smollm3",
+        {"no_rope_layers": [1, 0, 1, 0], "use_sliding_window": True, "sliding_window": 8},
+        {},
+    ),
     "olmo2": ("olmo2", {}, {}),
 }
 TEXTS = [
@@ -99,14 +143,16 @@ def test_chunked_prefill_matches_transformers(setup: ParitySetup) -> None:
     assert any(c.start_pos > 8 and c.num_tokens > 1 for b in d.steps for c in b.chunks)
 
 
-def _engine_greedy(path: Path, prompts: dict[str, list[int]], **kwargs: Any
-                   ) -> tuple[dict[str, list[int]], int, int]:
+def _engine_greedy(
+    path: Path, prompts: dict[str, list[int]], **kwargs: Any
+) -> tuple[dict[str, list[int]], int, int]:
     """Greedy tokens per request, the most KV blocks held at once, and prefix-hit tokens."""
     from nbengine.core.engine_core import EngineCore
     from nbengine.core.messages import EngineCoreRequest
 
-    core = EngineCore(EngineConfig.from_kwargs(path, dtype="float32", block_size=4,
-                                               num_kv_blocks=64, **kwargs))
+    core = EngineCore(
+        EngineConfig.from_kwargs(path, dtype="float32", block_size=4, num_kv_blocks=64, **kwargs)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
     most = 0
@@ -128,7 +174,8 @@ WINDOWED = [name for name, (_, cfg, _) in CASES.items() if cfg.get("sliding_wind
 
 @pytest.mark.parametrize("case", WINDOWED)
 def test_engine_frees_blocks_behind_the_window_and_matches_transformers(
-        case: str, tmp_path: Path) -> None:
+    case: str, tmp_path: Path
+) -> None:
     arch, cfg, _ = CASES[case]
     path = make_hf_model(tmp_path / case, arch, seed=2, **cfg)
     s = ParitySetup(path, TEXTS, N_NEW, hf_attn="eager", stop_at_eos=False)
@@ -137,8 +184,9 @@ def test_engine_frees_blocks_behind_the_window_and_matches_transformers(
     got, most, hits = _engine_greedy(path, prompts, max_num_batched_tokens=8)
     for rid, prompt in prompts.items():
         with torch.no_grad():
-            ref = s.hf.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
-                                pad_token_id=0)[0, len(prompt):].tolist()
+            ref = s.hf.generate(
+                torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
         assert got[rid] == ref, rid
     assert hits > 0, "later prompts hit the prefix cache"
     full = -(-(len(prompts["c"]) + N_NEW - 1) // 4)  # the last sampled token is never computed
@@ -150,11 +198,18 @@ def test_engine_frees_blocks_behind_the_window_and_matches_transformers(
 
 
 def test_phi3_longrope_long_factors_match_transformers_past_the_original_length(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     # max_model_len (256) exceeds original_max_position_embeddings (8): the long factors
     # apply everywhere, as in transformers for a prompt already past 8 tokens.
-    path = make_hf_model(tmp_path / "phi3", "phi3", seed=3, partial_rotary_factor=0.75,
-                         original_max_position_embeddings=8, rope_scaling=LONGROPE)
+    path = make_hf_model(
+        tmp_path / "phi3",
+        "phi3",
+        seed=3,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=8,
+        rope_scaling=LONGROPE,
+    )
     s = ParitySetup(path, TEXTS, N_NEW, hf_attn="eager", stop_at_eos=False)
     from nbengine.ops.rotary import rope_parameters
 
@@ -172,13 +227,23 @@ def test_gemma3_legacy_config_fields_match_transformers(tmp_path: Path) -> None:
     # rope_theta + rope_scaling for global layers, rope_local_base_freq for sliding ones.
     import json
 
-    path = make_hf_model(tmp_path / "g3", "gemma3", seed=4, sliding_window=8,
-                         query_pre_attn_scalar=24, tie_word_embeddings=False)
+    path = make_hf_model(
+        tmp_path / "g3",
+        "gemma3",
+        seed=4,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        tie_word_embeddings=False,
+    )
     cfg = json.loads((path / "config.json").read_text())
     for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
         cfg.pop(key, None)
-    cfg.update(rope_theta=1000.0, rope_local_base_freq=10.0, sliding_window_pattern=2,
-               rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg.update(
+        rope_theta=1000.0,
+        rope_local_base_freq=10.0,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
     (path / "config.json").write_text(json.dumps(cfg))
     s = ParitySetup(path, TEXTS, N_NEW, hf_attn="eager", stop_at_eos=False)
     assert s.runner.model.layer_windows == (8, None, 8, None)

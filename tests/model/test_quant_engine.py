@@ -22,9 +22,15 @@ GREEDY = nb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # intermediate 96: down_proj's 96 inputs are not a multiple of int4's group of 64.
-    return make_tiny_model(tmp_path_factory.mktemp("quant") / "llama", arch="llama",
-                           hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("quant") / "llama",
+        arch="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 @pytest.fixture
@@ -55,10 +61,13 @@ def test_bad_quantization_is_refused() -> None:
 
 
 @pytest.mark.required
-@pytest.mark.skipif(native.kernels() is None, reason=f"native kernels: {native.unavailable_reason()}")
+@pytest.mark.skipif(
+    native.kernels() is None, reason=f"native kernels: {native.unavailable_reason()}"
+)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_native_engine_equals_torch_reference(model_dir: Path, mode: str,
-                                              request: pytest.FixtureRequest) -> None:
+def test_native_engine_equals_torch_reference(
+    model_dir: Path, mode: str, request: pytest.FixtureRequest
+) -> None:
     # One sequence at a time, so that both engines run the same batches: the products
     # round differently below and above the kernel's tile threshold (ops/quant.py), and
     # which batches form otherwise depends on timing (nbengine is not batch-invariant).

@@ -85,7 +85,9 @@ def test_prompt_logprobs_arrive_per_chunk_in_order(runner: ModelRunner) -> None:
 
 
 def test_bfloat16_runner_generates(model_dir: Path) -> None:
-    r = ModelRunner(EngineConfig.from_kwargs(model_dir, dtype="bfloat16", block_size=4, num_kv_blocks=32))
+    r = ModelRunner(
+        EngineConfig.from_kwargs(model_dir, dtype="bfloat16", block_size=4, num_kv_blocks=32)
+    )
     assert r.kv_caches[0][0].dtype == torch.bfloat16
     prompt = r.tokenizer.encode("Once upon a time")
     out = Driver(r, stop_at_eos=False).generate([prompt], GREEDY, 8)[0]

@@ -15,9 +15,17 @@ from nbengine.ops.attention import (
 )
 
 
-def _run_both(chunks_spec: list[tuple[int, int]], n_heads: int, n_kv: int, head_dim: int,
-              block_size: int, seed: int, dtype: torch.dtype = torch.float32,
-              window: int | None = None, softcap: float | None = None):
+def _run_both(
+    chunks_spec: list[tuple[int, int]],
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    block_size: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+    softcap: float | None = None,
+):
     """chunks_spec: (start_pos, num_tokens) per chunk; prefixes are pre-filled with random K/V."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -67,7 +75,10 @@ def test_random_batches(seed: int) -> None:
     n_kv = rng.choice([1, 2, 4])
     n_heads = n_kv * rng.choice([1, 2, 3])
     spec = [(rng.randrange(0, 40), 1) for _ in range(rng.randrange(0, 5))]
-    spec += [(rng.choice([0, rng.randrange(0, 30)]), rng.randrange(2, 12)) for _ in range(rng.randrange(1, 4))]
+    spec += [
+        (rng.choice([0, rng.randrange(0, 30)]), rng.randrange(2, 12))
+        for _ in range(rng.randrange(1, 4))
+    ]
     ref, fast = _run_both(spec, n_heads, n_kv, rng.choice([8, 16]), rng.choice([1, 4, 16]), seed)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 

@@ -16,8 +16,9 @@ from nbengine.ops.attention import (
 )
 
 
-def _run_both(spec: list[tuple[int, int]], n_heads: int, n_kv: int, head_dim: int,
-              block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_both(
+    spec: list[tuple[int, int]], n_heads: int, n_kv: int, head_dim: int, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(reference, fast) attention outputs for chunks ``(start_pos, num_tokens)``."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -26,8 +27,10 @@ def _run_both(spec: list[tuple[int, int]], n_heads: int, n_kv: int, head_dim: in
     rng.shuffle(free)
     k_cache = torch.randn(n_blocks, block_size, n_kv, head_dim, generator=g)
     v_cache = torch.randn(n_blocks, block_size, n_kv, head_dim, generator=g)
-    chunks = [ChunkSpec(s, n, [free.pop() for _ in range((s + n + block_size - 1) // block_size)])
-              for s, n in spec]
+    chunks = [
+        ChunkSpec(s, n, [free.pop() for _ in range((s + n + block_size - 1) // block_size)])
+        for s, n in spec
+    ]
     chunks.sort(key=lambda c: c.num_tokens != 1)
     t = sum(n for _, n in spec)
     q = torch.randn(t, n_heads, head_dim, generator=g)
@@ -58,8 +61,10 @@ def test_many_decodes_of_mixed_lengths(seed: int) -> None:
 
 
 def test_metadata_groups_partition_the_decodes() -> None:
-    chunks = [ChunkSpec(p, 1, list(range(b, b + p // 4 + 1))) for b, p in
-              enumerate([2, 60, 3, 61, 1, 59, 2, 62, 3, 58, 1, 63, 2, 57, 3, 60, 1, 2])]
+    chunks = [
+        ChunkSpec(p, 1, list(range(b, b + p // 4 + 1)))
+        for b, p in enumerate([2, 60, 3, 61, 1, 59, 2, 62, 3, 58, 1, 63, 2, 57, 3, 60, 1, 2])
+    ]
     meta = build_attention_metadata(chunks, 4)
     rows = sorted(int(r) for g in meta.decode_groups for r in g.rows)
     assert rows == list(range(len(chunks))) and len(meta.decode_groups) == 2

@@ -10,8 +10,10 @@ from torch import nn
 from nbengine.ops import native
 from nbengine.ops.linear import PackedLinear, pack_linears, packed_linear_supported
 
-needs_pack = pytest.mark.skipif(not packed_linear_supported(torch.bfloat16),
-                                reason="oneDNN bfloat16 prepacking unavailable on this CPU")
+needs_pack = pytest.mark.skipif(
+    not packed_linear_supported(torch.bfloat16),
+    reason="oneDNN bfloat16 prepacking unavailable on this CPU",
+)
 
 
 @needs_pack

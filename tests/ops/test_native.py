@@ -94,12 +94,14 @@ def test_pack_linears_prefers_native_and_skips_float32() -> None:
 def test_rms_norm_and_fused_add(rows: int, h: int) -> None:
     x, r = _bf16(rows, h, seed=7, scale=3), _bf16(rows, h, seed=8, scale=3)
     w = (1 + 0.1 * torch.randn(h, generator=torch.Generator().manual_seed(9))).to(BF16)
-    torch.testing.assert_close(rms_norm(x, w, 1e-6).float(), rms_norm_ref(x, w, 1e-6).float(),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        rms_norm(x, w, 1e-6).float(), rms_norm_ref(x, w, 1e-6).float(), atol=2e-2, rtol=2e-2
+    )
     out, res = add_rms_norm(x, r, w, 1e-6)
     assert torch.equal(res, x + r), "the residual is the bfloat16 sum, as torch rounds it"
-    torch.testing.assert_close(out.float(), rms_norm_ref(x + r, w, 1e-6).float(),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        out.float(), rms_norm_ref(x + r, w, 1e-6).float(), atol=2e-2, rtol=2e-2
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
@@ -115,7 +117,9 @@ def test_rotary_in_place_on_a_strided_slice() -> None:
     qkv = _bf16(6, (4 + 2 + 2) * 64, seed=11)
     positions = torch.tensor([0, 1, 7, 100, 300, 511])
     qk = qkv[:, : 6 * 64].view(6, 6, 64)  # q and k heads; rows strided by the v columns
-    want_q, want_k = apply_rotary_ref(qk[:, :4].clone(), qk[:, 4:].clone(), positions, rope.inv_freq)
+    want_q, want_k = apply_rotary_ref(
+        qk[:, :4].clone(), qk[:, 4:].clone(), positions, rope.inv_freq
+    )
     v_before = qkv[:, 6 * 64 :].clone()
     out = rope.rotate(positions, qk)
     assert out.data_ptr() == qk.data_ptr(), "rotated in place"
@@ -126,8 +130,9 @@ def test_rotary_in_place_on_a_strided_slice() -> None:
 
 @pytest.mark.parametrize("prefill_limit", [1024, 8])
 @pytest.mark.parametrize("seed", range(5))
-def test_attention_reads_blocks_in_place(seed: int, prefill_limit: int,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_reads_blocks_in_place(
+    seed: int, prefill_limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # prefill_limit 8: prefill chunks count as long, so the native kernel does the decodes
     # and SDPA the prefills, in the same step.
     monkeypatch.setattr(attention, "NATIVE_PREFILL_MAX_KEYS", prefill_limit)
@@ -142,8 +147,10 @@ def test_attention_reads_blocks_in_place(seed: int, prefill_limit: int,
     total = sum((s + n + block_size - 1) // block_size for s, n in spec) + 2
     free = list(range(total))
     rng.shuffle(free)
-    chunks = [ChunkSpec(s, n, [free.pop() for _ in range((s + n + block_size - 1) // block_size)])
-              for s, n in spec]
+    chunks = [
+        ChunkSpec(s, n, [free.pop() for _ in range((s + n + block_size - 1) // block_size)])
+        for s, n in spec
+    ]
     t = sum(n for _, n in spec)
     kc = torch.randn(total, block_size, n_kv, head_dim, generator=g).to(BF16)
     vc = torch.randn(total, block_size, n_kv, head_dim, generator=g).to(BF16)

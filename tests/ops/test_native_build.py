@@ -20,8 +20,9 @@ from nbengine.testing import TINY_LLAMA, make_tiny_model
 
 def _run(code: str, cache: Path) -> dict[str, object]:
     env = {**os.environ, "NBENGINE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -46,8 +47,10 @@ needs_native = pytest.mark.skipif(
     native._unsupported() is not None, reason=f"native kernels: {native._unsupported()}"
 )
 
-LOAD = ("import json\nfrom nbengine.ops import native\nk = native.kernels()\n"
-        "print(json.dumps({'ok': k is not None, 'path': str(k.path) if k else None}))")
+LOAD = (
+    "import json\nfrom nbengine.ops import native\nk = native.kernels()\n"
+    "print(json.dumps({'ok': k is not None, 'path': str(k.path) if k else None}))"
+)
 
 
 @needs_native
@@ -88,7 +91,10 @@ def test_auto_dtype_follows_the_checkpoint_and_the_machine(tmp_path: Path) -> No
     )
     with_native = native._unsupported() is None
     result = _run(code, tmp_path / "cache")
-    assert result == {"auto": "bfloat16" if with_native else "float32", "tokens": 6,
-                      "native": with_native}
+    assert result == {
+        "auto": "bfloat16" if with_native else "float32",
+        "tokens": 6,
+        "native": with_native,
+    }
     env_code = "import os\nos.environ['NBENGINE_NATIVE'] = '0'\n" + code
     assert _run(env_code, tmp_path / "cache") == {"auto": "float32", "tokens": 6, "native": False}

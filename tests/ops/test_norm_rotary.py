@@ -23,9 +23,20 @@ def test_rms_norm_matches_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.pow(2).mean(-1), torch.ones(7, 3), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
-                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_rotary_cached_tables_match_reference(scaling: dict | None) -> None:
     g = torch.Generator().manual_seed(1)
     rot = RotaryEmbedding(32, 512, 10000.0, scaling)
@@ -44,10 +55,20 @@ def test_llama3_inv_freq_matches_transformers() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
-                      rope_scaling=dict(scaling), rope_theta=500000.0)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=4096,
+        rope_scaling=dict(scaling),
+        rope_theta=500000.0,
+    )
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     ours = rope_inv_freq(64, 500000.0, scaling)
     torch.testing.assert_close(ours, theirs.float(), atol=1e-7, rtol=1e-5)
@@ -60,18 +81,39 @@ def _hf_rope(rope_type: str, scaling: dict, **cfg_kw: object):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
-                      rope_scaling=dict(scaling), rope_theta=10000.0, **cfg_kw)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=4096,
+        rope_scaling=dict(scaling),
+        rope_theta=10000.0,
+        **cfg_kw,
+    )
     return cfg, ROPE_INIT_FUNCTIONS[rope_type]
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
-     "beta_fast": 16, "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 0.707},
-    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048,
-     "attention_factor": 1.2, "truncate": False},
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 2048,
+            "attention_factor": 1.2,
+            "truncate": False,
+        },
+    ],
+)
 def test_yarn_matches_transformers(scaling: dict) -> None:
     from nbengine.ops.rotary import rope_parameters
 
@@ -102,8 +144,12 @@ def test_longrope_matches_transformers(served: int, long: bool) -> None:
 
     short_f = [1.0 + 0.05 * i for i in range(32)]
     long_f = [1.0 + 0.5 * i for i in range(32)]
-    scaling = {"type": "su", "short_factor": short_f, "long_factor": long_f,
-               "original_max_position_embeddings": 2048}
+    scaling = {
+        "type": "su",
+        "short_factor": short_f,
+        "long_factor": long_f,
+        "original_max_position_embeddings": 2048,
+    }
     cfg, fn = _hf_rope("longrope", {**scaling, "rope_type": "longrope"})
     theirs, their_factor = fn(cfg, "cpu", seq_len=served)
     ours, our_factor = rope_parameters(64, 10000.0, scaling, served, 4096)
@@ -130,8 +176,12 @@ def test_original_length_resolved_as_transformers_does() -> None:
     yarn = {"rope_type": "yarn", "factor": 4.0}
     cfg = {"max_position_embeddings": 4096}
     assert with_original_length(yarn, cfg)["original_max_position_embeddings"] == 4096
-    phi = {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
-           "original_max_position_embeddings": 1024}
+    phi = {
+        "type": "longrope",
+        "short_factor": [1.0],
+        "long_factor": [2.0],
+        "original_max_position_embeddings": 1024,
+    }
     top = {"max_position_embeddings": 4096, "original_max_position_embeddings": 2048}
     assert with_original_length(phi, top)["original_max_position_embeddings"] == 2048
     assert with_original_length(phi, cfg) is phi

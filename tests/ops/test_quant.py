@@ -27,8 +27,9 @@ from nbengine.ops.quant import (
 BF16 = torch.bfloat16
 kernels = native.kernels()
 # Marks the native-kernel tests: required (a skip is reported loudly; tests/conftest.py).
-needs_native = pytest.mark.skipif(kernels is None,
-                                  reason=f"native kernels: {native.unavailable_reason()}")
+needs_native = pytest.mark.skipif(
+    kernels is None, reason=f"native kernels: {native.unavailable_reason()}"
+)
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -126,7 +127,11 @@ def test_float32_model_uses_reference_and_stays_close_to_full_precision() -> Non
 @needs_native
 def test_native_matches_reference(mode: str, m: int, n: int, k: int) -> None:
     assert kernels is not None
-    w, x, b = _randn(n, k, seed=n + k).to(BF16), _randn(m, k, seed=m).to(BF16), _randn(n, seed=9).to(BF16)
+    w, x, b = (
+        _randn(n, k, seed=n + k).to(BF16),
+        _randn(m, k, seed=m).to(BF16),
+        _randn(n, seed=9).to(BF16),
+    )
     if m == 3:
         x[1] = 0.0  # a zero row (scale 0 in the int16 path)
     q, s, g = _quantize(w, mode)

@@ -15,8 +15,12 @@ V = 16
 EOS = 15
 
 
-def _req(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
-         key: str = "r") -> Request:
+def _req(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    key: str = "r",
+) -> Request:
     r = Request(key, list(prompt or [1, 2]), params, frozenset({EOS}), 0.0)
     for t in output or []:
         r.append_output_token(t)
@@ -37,7 +41,9 @@ def _draw(params: SamplingParams, logits: torch.Tensor, n: int = 400, seed: int 
 
 def test_greedy_takes_argmax_for_every_row() -> None:
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0))
-    toks, lps = Sampler(0)(logits, [_req(SamplingParams(temperature=0), key=str(i)) for i in range(5)])
+    toks, lps = Sampler(0)(
+        logits, [_req(SamplingParams(temperature=0), key=str(i)) for i in range(5)]
+    )
     assert toks == logits.argmax(-1).tolist() and lps == [None] * 5
 
 
@@ -78,8 +84,10 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     def run(batch_extra: int, global_seed: int) -> list[int]:
         s = Sampler(global_seed)
         mine = _req(params, key="mine")
-        others = [_req(SamplingParams(temperature=1.0, seed=(7 if i % 2 else None)), key=f"o{i}")
-                  for i in range(batch_extra)]
+        others = [
+            _req(SamplingParams(temperature=1.0, seed=(7 if i % 2 else None)), key=f"o{i}")
+            for i in range(batch_extra)
+        ]
         out = []
         for _ in range(12):
             reqs = others + [mine] + others[:1]
@@ -165,8 +173,12 @@ def test_logprobs_are_raw_topk_with_ranks() -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mixed_batch_greedy_rows_unaffected_by_random_rows(seed: int) -> None:
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(seed))
-    reqs = [_req(SamplingParams(temperature=0), key="g0"), _req(SamplingParams(top_p=0.9), key="r1"),
-            _req(SamplingParams(temperature=0), key="g2"), _req(SamplingParams(top_k=3), key="r3")]
+    reqs = [
+        _req(SamplingParams(temperature=0), key="g0"),
+        _req(SamplingParams(top_p=0.9), key="r1"),
+        _req(SamplingParams(temperature=0), key="g2"),
+        _req(SamplingParams(top_k=3), key="r3"),
+    ]
     toks, _ = Sampler(seed)(logits.clone(), reqs)
     assert toks[0] == int(logits[0].argmax()) and toks[2] == int(logits[2].argmax())
     assert toks[3] in logits[3].topk(3).indices.tolist()
@@ -179,8 +191,12 @@ def test_candidate_tiers_equal_full_sort(peaked: bool, monkeypatch: pytest.Monke
     g = torch.Generator().manual_seed(11)
     vocab, n = 5000, 120
     logits = torch.randn(n, vocab, generator=g) * (4.0 if peaked else 1.0)
-    params = [SamplingParams(top_p=[0.5, 0.9, 1.0][i % 3], top_k=[0, 5, 300, 3000][i % 4],
-                             temperature=0.9) for i in range(n)]
+    params = [
+        SamplingParams(
+            top_p=[0.5, 0.9, 1.0][i % 3], top_k=[0, 5, 300, 3000][i % 4], temperature=0.9
+        )
+        for i in range(n)
+    ]
     u = torch.rand(n, generator=g)
     fast = sampling._sample_rows(logits, params, u)
     monkeypatch.setattr(sampling, "_CANDIDATE_TIERS", ())

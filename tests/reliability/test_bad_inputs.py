@@ -80,8 +80,11 @@ def _works(engine: nb.Engine, request_id: str = "probe") -> None:
     assert_quiescent(engine)
 
 
-@pytest.mark.parametrize(("kwargs", "exc", "fragment"), BAD_PARAMS,
-                         ids=[",".join(k) + f"={list(k.values())[0]!r}" for k, _, _ in BAD_PARAMS])
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragment"),
+    BAD_PARAMS,
+    ids=[",".join(k) + f"={list(k.values())[0]!r}" for k, _, _ in BAD_PARAMS],
+)
 def test_invalid_sampling_params_raise_naming_the_field(
     kwargs: dict[str, Any], exc: type[Exception], fragment: str
 ) -> None:
@@ -109,13 +112,25 @@ def test_request_level_rejections_leave_no_state(engine: nb.Engine) -> None:
         ([1, 2.0], {}, TypeError, "Prompt token ids must be ints"),
         ([1, True], {}, TypeError, "Prompt token ids must be ints"),
         ("bad \ud800 text", {}, ValueError, "has a lone surrogate '\\ud800' at character 4"),
-        ("hi", {"sampling_params": {"max_tokens": 3}}, TypeError,
-         "sampling_params must be a SamplingParams"),
+        (
+            "hi",
+            {"sampling_params": {"max_tokens": 3}},
+            TypeError,
+            "sampling_params must be a SamplingParams",
+        ),
         ("hi", {"priority": "high"}, TypeError, "priority must be an int"),
-        ("hi", {"sampling_params": SP(logprobs=vocab + 1)}, ValueError,
-         "more log-probabilities than the model's vocabulary"),
-        ("hi", {"sampling_params": SP(prompt_logprobs=vocab + 1)}, ValueError,
-         "more log-probabilities than the model's vocabulary"),
+        (
+            "hi",
+            {"sampling_params": SP(logprobs=vocab + 1)},
+            ValueError,
+            "more log-probabilities than the model's vocabulary",
+        ),
+        (
+            "hi",
+            {"sampling_params": SP(prompt_logprobs=vocab + 1)},
+            ValueError,
+            "more log-probabilities than the model's vocabulary",
+        ),
     ]
     for prompt, kw, exc, fragment in cases:
         rid = kw.get("request_id", "bad-input")
@@ -134,7 +149,9 @@ def test_out_of_vocab_ids_in_params(engine: nb.Engine) -> None:
     """stop_token_ids beyond the vocabulary never match; logit_bias keys beyond it are
     refused at generate() (as vLLM does): a bias that can never apply is a mistake."""
     vocab = engine.vocab_size
-    with pytest.raises(ValueError, match=r"logit_bias names token ids outside the model's vocabulary"):
+    with pytest.raises(
+        ValueError, match=r"logit_bias names token ids outside the model's vocabulary"
+    ):
         engine.generate("Once upon", SP(logit_bias={vocab + 7: 5.0}), request_id="lb")
     _works(engine, "lb")
     for params in (
@@ -243,6 +260,7 @@ def _config_field(name: str, value: Any) -> Any:
 
 def _sharded_outside(name: str) -> Any:
     """A shard index naming a file outside the model directory (which exists there)."""
+
     def breaker(d: Path) -> None:
         outside = d.parent / "outside.safetensors"
         shutil.copy(d / "model.safetensors", outside)
@@ -252,8 +270,11 @@ def _sharded_outside(name: str) -> Any:
         with safe_open(str(d / "shard-1.safetensors"), framework="pt") as f:
             keys = list(f.keys())
         target = str(outside) if name == "absolute" else "../outside.safetensors"
-        index = {"weight_map": {k: (target if i == 0 else "shard-1.safetensors")
-                                for i, k in enumerate(keys)}}
+        index = {
+            "weight_map": {
+                k: (target if i == 0 else "shard-1.safetensors") for i, k in enumerate(keys)
+            }
+        }
         (d / "model.safetensors.index.json").write_text(json.dumps(index))
 
     breaker.__name__ = f"_index_{name}_path"
@@ -261,18 +282,33 @@ def _sharded_outside(name: str) -> Any:
 
 
 BROKEN_DIRS = [
-    (_config_field("num_attention_heads", 0), ModelLoadError,
-     "num_attention_heads must be a positive integer, got 0"),
-    (_config_field("max_position_embeddings", -5), ModelLoadError,
-     "max_position_embeddings must be a positive integer, got -5"),
-    (_config_field("rms_norm_eps", None), ModelLoadError,
-     "rms_norm_eps must be a positive finite number, got None"),
+    (
+        _config_field("num_attention_heads", 0),
+        ModelLoadError,
+        "num_attention_heads must be a positive integer, got 0",
+    ),
+    (
+        _config_field("max_position_embeddings", -5),
+        ModelLoadError,
+        "max_position_embeddings must be a positive integer, got -5",
+    ),
+    (
+        _config_field("rms_norm_eps", None),
+        ModelLoadError,
+        "rms_norm_eps must be a positive finite number, got None",
+    ),
     (_config_field("hidden_size", "64"), ModelLoadError, "hidden_size must be a positive integer"),
-    (_config_field("num_key_value_heads", 3), ModelLoadError,
-     "must be a multiple of num_key_value_heads (3)"),
+    (
+        _config_field("num_key_value_heads", 3),
+        ModelLoadError,
+        "must be a multiple of num_key_value_heads (3)",
+    ),
     (_config_field("rope_theta", float("inf")), ModelLoadError, "rope_theta must be a positive"),
-    (_config_field("tie_word_embeddings", "yes"), ModelLoadError,
-     "tie_word_embeddings must be true or false"),
+    (
+        _config_field("tie_word_embeddings", "yes"),
+        ModelLoadError,
+        "tie_word_embeddings must be true or false",
+    ),
     (_config_field("rope_scaling", [1]), ModelLoadError, "rope_scaling must be an object"),
     (_sharded_outside("absolute"), ModelLoadError, "which is outside the model directory"),
     (_sharded_outside("dotdot"), ModelLoadError, "which is outside the model directory"),
@@ -288,8 +324,11 @@ BROKEN_DIRS = [
 ]
 
 
-@pytest.mark.parametrize(("breaker", "exc", "fragment"), BROKEN_DIRS,
-                         ids=[b.__name__.strip("_") for b, _, _ in BROKEN_DIRS])
+@pytest.mark.parametrize(
+    ("breaker", "exc", "fragment"),
+    BROKEN_DIRS,
+    ids=[b.__name__.strip("_") for b, _, _ in BROKEN_DIRS],
+)
 def test_broken_model_directory(
     tiny_model: Path, tmp_path: Path, breaker: Any, exc: type[Exception], fragment: str
 ) -> None:
@@ -365,7 +404,9 @@ def test_params_are_frozen_and_generate_keeps_its_own_copy(engine: nb.Engine) ->
         params.replace(logit_bias=None)
     longer = params.replace(max_tokens=6, logit_bias=None, stop=None)
     assert longer.max_tokens == 6 and params.max_tokens == 4
-    assert len(engine.generate("Once upon", longer).result(timeout=WAIT_S).outputs[0].token_ids) == 6
+    assert (
+        len(engine.generate("Once upon", longer).result(timeout=WAIT_S).outputs[0].token_ids) == 6
+    )
     _works(engine, "frozen")
 
 
@@ -382,7 +423,9 @@ def test_a_bad_request_reaching_the_core_fails_alone(engine: nb.Engine) -> None:
 
     def add_bad(c: Any) -> None:
         c._handle_add(EngineCoreRequest("bad#1", [1, 2, 3], bad, 0.0))
-        rejected.extend(o.error or "" for o in c.scheduler._pending.outputs if o.request_id == "bad#1")
+        rejected.extend(
+            o.error or "" for o in c.scheduler._pending.outputs if o.request_id == "bad#1"
+        )
 
     engine._run_on_core(add_bad).result(WAIT_S)
     assert rejected and "must be" in rejected[0]
@@ -395,19 +438,23 @@ def test_extreme_valid_params_sample_sensibly(engine: nb.Engine) -> None:
     into NaN (which sampled the last vocabulary id)."""
     vocab = engine.vocab_size
     # 3e38 / 0.5 overflows float32: both biased tokens become the largest finite logit.
-    forced = SP(max_tokens=6, temperature=0.5, seed=1, ignore_eos=True,
-                logit_bias={7: 3.0e38, 9: 3.0e38})
+    forced = SP(
+        max_tokens=6, temperature=0.5, seed=1, ignore_eos=True, logit_bias={7: 3.0e38, 9: 3.0e38}
+    )
     ids = engine.generate("Once upon", forced).result(timeout=WAIT_S).outputs[0].token_ids
     assert set(ids) <= {7, 9}, ids
     # A tiny repetition penalty divides a seen token's positive logit past float32's range.
     prompt = [11, 12, 13, 14]
-    rep = SP(max_tokens=4, seed=2, repetition_penalty=1.2e-38, logit_bias={12: 10.0},
-             ignore_eos=True)
+    rep = SP(
+        max_tokens=4, seed=2, repetition_penalty=1.2e-38, logit_bias={12: 10.0}, ignore_eos=True
+    )
     ids = engine.generate(prompt, rep).result(timeout=WAIT_S).outputs[0].token_ids
     assert ids == [12] * 4 and vocab - 1 not in ids, ids
     # A tiny top_p keeps the single most likely token: the same as greedy.
     greedy = engine.generate("Once upon", SP(max_tokens=6, temperature=0, ignore_eos=True))
     tiny_p = engine.generate("Once upon", SP(max_tokens=6, top_p=1.2e-38, seed=3, ignore_eos=True))
-    assert tiny_p.result(timeout=WAIT_S).outputs[0].token_ids == \
-        greedy.result(timeout=WAIT_S).outputs[0].token_ids
+    assert (
+        tiny_p.result(timeout=WAIT_S).outputs[0].token_ids
+        == greedy.result(timeout=WAIT_S).outputs[0].token_ids
+    )
     _works(engine)

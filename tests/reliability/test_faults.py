@@ -82,8 +82,9 @@ def _start_consumers(engine: nb.Engine) -> list[tuple[threading.Thread, dict[str
     return consumers
 
 
-def _check_consumers_ended(consumers: list[tuple[threading.Thread, dict[str, Any]]],
-                           fragment: str) -> None:
+def _check_consumers_ended(
+    consumers: list[tuple[threading.Thread, dict[str, Any]]], fragment: str
+) -> None:
     for t, box in consumers:
         t.join(WAIT_S)
         assert not t.is_alive(), "a consumer of a failed engine hangs"
@@ -168,12 +169,15 @@ def _core_thread_dying(engine: nb.Engine, started: threading.Event) -> tuple[str
     return "injected core thread death", {"dead"}
 
 
-@pytest.mark.parametrize("install", [
-    pytest.param(_forward_raising_at(1), id="forward-raising-at-step-1"),
-    pytest.param(_forward_raising_at(4), id="forward-raising-at-step-4"),
-    pytest.param(_tokenizer_raising, id="tokenizer-raising-while-decoding"),
-    pytest.param(_core_thread_dying, id="core-thread-dying"),
-])
+@pytest.mark.parametrize(
+    "install",
+    [
+        pytest.param(_forward_raising_at(1), id="forward-raising-at-step-1"),
+        pytest.param(_forward_raising_at(4), id="forward-raising-at-step-4"),
+        pytest.param(_tokenizer_raising, id="tokenizer-raising-while-decoding"),
+        pytest.param(_core_thread_dying, id="core-thread-dying"),
+    ],
+)
 def test_fault_ends_every_request_clearly(tiny_model: Path, install: Installer) -> None:
     engine = nb.Engine(str(tiny_model), **ENGINE_KW)
     started = threading.Event()

@@ -126,14 +126,21 @@ def test_reexecuting_the_engine_cell(kernel: Kernel) -> None:
     kernel.run(cell)
     assert kernel.json("engine_threads()") == ["nbengine-core", "nbengine-loop"]
     # A handle of the first engine keeps it alive and working across the re-execution.
-    kernel.run("h_old = engine.generate('Once upon', "
-               "nb.SamplingParams(max_tokens=100000, ignore_eos=True))")
+    kernel.run(
+        "h_old = engine.generate('Once upon', "
+        "nb.SamplingParams(max_tokens=100000, ignore_eos=True))"
+    )
     kernel.run(cell)
     assert kernel.json("len(engine_threads())") == 4  # both engines run
     kernel.run("n0 = len(h_old.token_ids); import time; time.sleep(0.3)")
     assert kernel.json("len(h_old.token_ids) > n0 and not h_old.done()")
-    assert kernel.json("engine.generate('Hi', nb.SamplingParams(max_tokens=3, ignore_eos=True))"
-                       ".result(60).outputs[0].finish_reason") == "length"
+    assert (
+        kernel.json(
+            "engine.generate('Hi', nb.SamplingParams(max_tokens=3, ignore_eos=True))"
+            ".result(60).outputs[0].finish_reason"
+        )
+        == "length"
+    )
     # Once nothing references the old engine, it is shut down and its threads end.
     assert kernel.json("h_old.cancel(60).outputs[0].finish_reason") == "abort"
     kernel.run("del h_old; settle()")
@@ -151,8 +158,10 @@ def test_displayed_handles_do_not_keep_a_reexecuted_engine_alive(kernel: Kernel)
     registry, the handle in Out[n]), let it finish, re-execute the engine cell. The old
     engine is freed: a finished handle holds its engine only weakly."""
     kernel.run("engine = nb.Engine(MODEL, **KW)")
-    shown = kernel.run("h = engine.generate('Once upon', nb.SamplingParams(max_tokens=6, "
-                       "ignore_eos=True), request_id='shown')\nh")
+    shown = kernel.run(
+        "h = engine.generate('Once upon', nb.SamplingParams(max_tokens=6, "
+        "ignore_eos=True), request_id='shown')\nh"
+    )
     assert "RequestHandle(request_id='shown')" in shown
     assert kernel.json("type(h.widget()).__name__") == "HandleWidget"
     assert kernel.json("len(h.result(60).outputs[0].token_ids)") == 6
@@ -160,8 +169,10 @@ def test_displayed_handles_do_not_keep_a_reexecuted_engine_alive(kernel: Kernel)
     kernel.run("settle()")
     assert kernel.json("engine_threads()") == ["nbengine-core", "nbengine-loop"]
     # The old handle still shows its final state (its widget needs no engine).
-    assert kernel.json("[h.text == h.final_output.outputs[0].text, h.status.name]") == \
-        [True, "FINISHED_LENGTH_CAPPED"]
+    assert kernel.json("[h.text == h.final_output.outputs[0].text, h.status.name]") == [
+        True,
+        "FINISHED_LENGTH_CAPPED",
+    ]
     kernel.run("engine.shutdown(); settle()")
     assert kernel.json("engine_threads()") == []
 
@@ -170,10 +181,12 @@ def test_memory_returns_after_shutdown(kernel: Kernel) -> None:
     # A KV cache big enough to see: 40000 blocks x 16 tokens x 2 layers x K,V x 2 heads x 8
     # floats = 312 MiB allocated (zero pages are committed lazily: RSS grows ~180 MiB).
     kernel.run("settle(); before = rss_mb()")
-    kernel.run("big = nb.Engine(MODEL, num_kv_blocks=40000, block_size=16)\n"
-               "big.generate('Once upon', nb.SamplingParams(max_tokens=4)).result(60)\n"
-               "during = rss_mb()\n"
-               "big.shutdown(); del big; settle(); after = rss_mb()")
+    kernel.run(
+        "big = nb.Engine(MODEL, num_kv_blocks=40000, block_size=16)\n"
+        "big.generate('Once upon', nb.SamplingParams(max_tokens=4)).result(60)\n"
+        "during = rss_mb()\n"
+        "big.shutdown(); del big; settle(); after = rss_mb()"
+    )
     before, during, after = kernel.json("[before, during, after]")
     assert during - before > 100, (before, during, after)  # the cache was really there
     assert after - before < 40, f"RSS {before:.0f} -> {during:.0f} -> {after:.0f} MiB"
@@ -220,12 +233,16 @@ def test_interrupt_during_sync_iteration_aborts_with_confirmation(
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     # The next cell sees the confirmed abort ...
-    state = kernel.json("[h.status.name, h.done(), h.final_output.outputs[0].finish_reason,"
-                        " eng.num_unfinished_requests()]")
+    state = kernel.json(
+        "[h.status.name, h.done(), h.final_output.outputs[0].finish_reason,"
+        " eng.num_unfinished_requests()]"
+    )
     assert state == ["FINISHED_ABORTED", True, "abort", 0]
     # ... and can reuse the id at once.
-    out = kernel.json("eng.generate('Again', nb.SamplingParams(max_tokens=3, ignore_eos=True),"
-                      " request_id='intr').result(60).outputs[0].finish_reason")
+    out = kernel.json(
+        "eng.generate('Again', nb.SamplingParams(max_tokens=3, ignore_eos=True),"
+        " request_id='intr').result(60).outputs[0].finish_reason"
+    )
     assert out == "length"
     kernel.run("eng.shutdown(); settle()")
     assert kernel.json("engine_threads()") == []
@@ -235,9 +252,11 @@ def test_kernel_shutdown_with_a_running_engine_exits_cleanly(tiny_model: Path) -
     k = Kernel()
     try:
         k.run(SETUP.format(model=str(tiny_model), kw=ENGINE_KW))
-        k.run("engine = nb.Engine(MODEL, **KW)\n"
-              "hs = [engine.generate(f'req {i}', nb.SamplingParams(max_tokens=100000, "
-              "ignore_eos=True)) for i in range(3)]")
+        k.run(
+            "engine = nb.Engine(MODEL, **KW)\n"
+            "hs = [engine.generate(f'req {i}', nb.SamplingParams(max_tokens=100000, "
+            "ignore_eos=True)) for i in range(3)]"
+        )
         assert k.json("[h.status.name for h in hs if h.done()]") == []
         took, code = k.shutdown()
     except BaseException:

@@ -55,7 +55,10 @@ SP = nb.SamplingParams
 KINDS = list(nb.RequestOutputKind)
 IDS = ["a", "b", "c"]
 FUZZ_KW: dict[str, Any] = dict(
-    num_kv_blocks=96, block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
+    num_kv_blocks=96,
+    block_size=8,
+    max_num_seqs=16,
+    max_num_batched_tokens=128,
     max_model_len=384,
 )
 LONG_MAX = 100_000  # "runs until aborted" (really: until max_model_len)
@@ -89,9 +92,14 @@ class EngineLifecycle(RuleBasedStateMachine):
         self.markers: list[int] = []
         for tid in range(tok.vocab_size):
             text = tok.decode([tid])
-            if (tid not in eos and tid not in tok.all_special_ids and len(text) >= 2
-                    and text.strip().isalpha() and text.isascii()
-                    and tok.decode([tid, tid]) == text * 2):
+            if (
+                tid not in eos
+                and tid not in tok.all_special_ids
+                and len(text) >= 2
+                and text.strip().isalpha()
+                and text.isascii()
+                and tok.decode([tid, tid]) == text * 2
+            ):
                 self.markers.append(tid)
             if len(self.markers) == 16:
                 break
@@ -111,9 +119,18 @@ class EngineLifecycle(RuleBasedStateMachine):
         self.last_marker[rid] = m
         return m
 
-    def _params(self, *, max_tokens: int, min_tokens: int, ignore_eos: bool, stop: bool,
-                n: int, kind: nb.RequestOutputKind, marker: int | None,
-                force_eos: bool) -> SP:
+    def _params(
+        self,
+        *,
+        max_tokens: int,
+        min_tokens: int,
+        ignore_eos: bool,
+        stop: bool,
+        n: int,
+        kind: nb.RequestOutputKind,
+        marker: int | None,
+        force_eos: bool,
+    ) -> SP:
         bias: dict[int, float] | None = None
         stop_strings = None
         if marker is not None:
@@ -124,12 +141,19 @@ class EngineLifecycle(RuleBasedStateMachine):
             bias = {self.eos: 100.0}
         elif stop:
             stop_strings = ["e", "th"]
-        return SP(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
-                  ignore_eos=ignore_eos, stop=stop_strings, logit_bias=bias,
-                  output_kind=kind)
+        return SP(
+            n=n,
+            max_tokens=max_tokens,
+            min_tokens=min(min_tokens, max_tokens),
+            ignore_eos=ignore_eos,
+            stop=stop_strings,
+            logit_bias=bias,
+            output_kind=kind,
+        )
 
-    def _start(self, rid: str | None, params: SP, marker: int | None, long: bool,
-               register: bool = True) -> Rec:
+    def _start(
+        self, rid: str | None, params: SP, marker: int | None, long: bool, register: bool = True
+    ) -> Rec:
         k = next(self.counter)
         prompt = f"{rid or 'auto'} number {k}"
         handle = self.engine.generate(prompt, params, request_id=rid)
@@ -196,8 +220,9 @@ class EngineLifecycle(RuleBasedStateMachine):
             assert len(outs) == 1
         for comp in final.outputs:
             if kind is nb.RequestOutputKind.DELTA:
-                got = [t for o in outs for c in o.outputs if c.index == comp.index
-                       for t in c.token_ids]
+                got = [
+                    t for o in outs for c in o.outputs if c.index == comp.index for t in c.token_ids
+                ]
                 text = "".join(c.text for o in outs for c in o.outputs if c.index == comp.index)
                 assert got == comp.token_ids
                 assert text == comp.text
@@ -209,8 +234,16 @@ class EngineLifecycle(RuleBasedStateMachine):
     def _after_free(self, rid: str) -> None:
         """``rid`` was just released: it must be reusable at once."""
         marker = self._pick_marker(rid, next(self.counter))
-        params = self._params(max_tokens=3, min_tokens=0, ignore_eos=True, stop=False, n=1,
-                              kind=nb.RequestOutputKind.DELTA, marker=marker, force_eos=False)
+        params = self._params(
+            max_tokens=3,
+            min_tokens=0,
+            ignore_eos=True,
+            stop=False,
+            n=1,
+            kind=nb.RequestOutputKind.DELTA,
+            marker=marker,
+            force_eos=False,
+        )
         self._start(rid, params, marker, long=False)
 
     # -------------------------------------------------------------------- rules
@@ -226,13 +259,29 @@ class EngineLifecycle(RuleBasedStateMachine):
         style=st.sampled_from(["marker", "marker", "natural", "eos"]),
         salt=st.integers(0, 1000),
     )
-    def generate(self, rid: str | None, max_tokens: int, min_tokens: int, ignore_eos: bool,
-                 stop: bool, n: int, kind: nb.RequestOutputKind, style: str,
-                 salt: int) -> None:
+    def generate(
+        self,
+        rid: str | None,
+        max_tokens: int,
+        min_tokens: int,
+        ignore_eos: bool,
+        stop: bool,
+        n: int,
+        kind: nb.RequestOutputKind,
+        style: str,
+        salt: int,
+    ) -> None:
         marker = self._pick_marker(rid or "auto", salt) if style == "marker" else None
-        params = self._params(max_tokens=max_tokens, min_tokens=min_tokens,
-                              ignore_eos=ignore_eos, stop=stop, n=n, kind=kind,
-                              marker=marker, force_eos=style == "eos")
+        params = self._params(
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            stop=stop,
+            n=n,
+            kind=kind,
+            marker=marker,
+            force_eos=style == "eos",
+        )
         prev = self.current.get(rid) if rid is not None else None
         try:
             self._start(rid, params, marker, long=False)
@@ -244,15 +293,19 @@ class EngineLifecycle(RuleBasedStateMachine):
             # Registration succeeded, so the previous incarnation was delivered first.
             assert prev.handle.done(), "an id was reused while its request was live"
 
-    @rule(rid=st.sampled_from([*IDS, None]), n=st.integers(1, 2),
-          kind=st.sampled_from(KINDS), salt=st.integers(0, 1000))
-    def generate_long(self, rid: str | None, n: int, kind: nb.RequestOutputKind,
-                      salt: int) -> None:
+    @rule(
+        rid=st.sampled_from([*IDS, None]),
+        n=st.integers(1, 2),
+        kind=st.sampled_from(KINDS),
+        salt=st.integers(0, 1000),
+    )
+    def generate_long(self, rid: str | None, n: int, kind: nb.RequestOutputKind, salt: int) -> None:
         if len(self._live_longs()) >= 2:
             return  # keep the machine's load bounded
         marker = self._pick_marker(rid or "auto", salt)
-        params = SP(n=n, max_tokens=LONG_MAX, ignore_eos=True, logit_bias={marker: 100.0},
-                    output_kind=kind)
+        params = SP(
+            n=n, max_tokens=LONG_MAX, ignore_eos=True, logit_bias={marker: 100.0}, output_kind=kind
+        )
         prev = self.current.get(rid) if rid is not None else None
         try:
             self._start(rid, params, marker, long=True)
@@ -275,9 +328,13 @@ class EngineLifecycle(RuleBasedStateMachine):
         else:  # only possible if it reached max_model_len in between
             raise AssertionError("generate() accepted the id of a live request")
 
-    @rule(picks=st.lists(st.sampled_from([*IDS, "unknown-1", "unknown-2"]), min_size=1,
-                         max_size=3, unique=True),
-          as_list=st.booleans(), reuse=st.booleans())
+    @rule(
+        picks=st.lists(
+            st.sampled_from([*IDS, "unknown-1", "unknown-2"]), min_size=1, max_size=3, unique=True
+        ),
+        as_list=st.booleans(),
+        reuse=st.booleans(),
+    )
     def abort(self, picks: list[str], as_list: bool, reuse: bool) -> None:
         target = picks if as_list or len(picks) > 1 else picks[0]
         before = {rid: self.current.get(rid) for rid in picks}
@@ -416,9 +473,13 @@ class EngineLifecycle(RuleBasedStateMachine):
                 for j in range(3):
                     m = self.markers[(seed + i * 3 + j) % len(self.markers)]
                     action = (seed + i + j) % 4
-                    p = SP(max_tokens=1 + (seed + j) % 6, ignore_eos=action != 3,
-                           logit_bias={m: 100.0}, n=1 + (j % 2),
-                           output_kind=KINDS[(i + j) % 3])
+                    p = SP(
+                        max_tokens=1 + (seed + j) % 6,
+                        ignore_eos=action != 3,
+                        logit_bias={m: 100.0},
+                        n=1 + (j % 2),
+                        output_kind=KINDS[(i + j) % 3],
+                    )
                     rec = self._start(f"t{i}-{j}", p, m, long=False, register=False)
                     with lock:
                         recs.append(rec)
@@ -440,8 +501,10 @@ class EngineLifecycle(RuleBasedStateMachine):
                 errors.append(exc)
                 barrier.abort()
 
-        workers = [threading.Thread(target=worker, args=(i,), name=f"rel-worker-{i}")
-                   for i in range(num_threads)]
+        workers = [
+            threading.Thread(target=worker, args=(i,), name=f"rel-worker-{i}")
+            for i in range(num_threads)
+        ]
         for t in workers:
             t.start()
         for t in workers:

@@ -12,9 +12,23 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 def test_soak_loses_and_leaks_nothing(tiny_model: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--requests", "300", "--time-limit", "40",
-         "--threads", "6", "--seed", "1", "--model", str(tiny_model)],
-        capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--requests",
+            "300",
+            "--time-limit",
+            "40",
+            "--threads",
+            "6",
+            "--seed",
+            "1",
+            "--model",
+            str(tiny_model),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"no summary; stderr:\n{proc.stderr[-3000:]}"

@@ -16,14 +16,19 @@ from support.requests import wait_until
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-ENGINE_KW = dict(num_kv_blocks=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+ENGINE_KW = dict(
+    num_kv_blocks=1024,
+    block_size=16,
+    max_num_seqs=64,
+    max_num_batched_tokens=512,
 )
 
 
 @pytest.fixture(scope="session")
 def chat_model(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory("qwen2", chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA,
-                              max_position_embeddings=8192)
+    return tiny_model_factory(
+        "qwen2", chat_template=QWEN_CHAT_TEMPLATE, **TINY_LLAMA, max_position_embeddings=8192
+    )
 
 
 @pytest.fixture(scope="module")

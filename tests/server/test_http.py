@@ -31,28 +31,51 @@ def _error(r: httpx.Response, status: int) -> dict:
 
 
 def test_malformed_json_is_400(server: object) -> None:
-    r = httpx.post(server.url + "/completions", content=b'{"prompt": "a",',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/completions",
+        content=b'{"prompt": "a",',
+        headers={"content-type": "application/json"},
+    )
     assert "not valid JSON" in _error(r, 400)["message"]
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("max_tokens", "5"), ("max_tokens", 2.5), ("temperature", "hot"), ("n", True),
-    ("stream", "yes"), ("stop", 3), ("seed", [1]), ("top_k", 1.5), ("prompt", 12),
-    ("logit_bias", {"1": "x"}),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "5"),
+        ("max_tokens", 2.5),
+        ("temperature", "hot"),
+        ("n", True),
+        ("stream", "yes"),
+        ("stop", 3),
+        ("seed", [1]),
+        ("top_k", 1.5),
+        ("prompt", 12),
+        ("logit_bias", {"1": "x"}),
+    ],
+)
 def test_a_wrong_type_is_400_naming_the_field(server: object, field: str, value: object) -> None:
     body = {"prompt": "Once", "max_tokens": 2, field: value}
     err = _error(httpx.post(server.url + "/completions", json=body), 400)
     assert err["param"].split(".")[0] == field, err
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -1), ("top_p", 0), ("n", 0), ("max_tokens", 0), ("min_p", 2),
-    ("repetition_penalty", 0), ("min_tokens", 5), ("logprobs", 50),
-])
-def test_a_value_out_of_range_is_400_naming_the_field(server: object, field: str,
-                                                      value: object) -> None:
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("min_p", 2),
+        ("repetition_penalty", 0),
+        ("min_tokens", 5),
+        ("logprobs", 50),
+    ],
+)
+def test_a_value_out_of_range_is_400_naming_the_field(
+    server: object, field: str, value: object
+) -> None:
     body = {"prompt": "Once", "max_tokens": 2, field: value}
     if field == "max_tokens":
         body = {"prompt": "Once", field: value}
@@ -61,9 +84,16 @@ def test_a_value_out_of_range_is_400_naming_the_field(server: object, field: str
 
 
 def test_unknown_fields_and_missing_ones_are_400(server: object) -> None:
-    err = _error(httpx.post(server.url + "/chat/completions",
-                            json={"messages": [{"role": "user", "content": "hi"}],
-                                  "response_format": {"type": "json_object"}}), 400)
+    err = _error(
+        httpx.post(
+            server.url + "/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"},
+            },
+        ),
+        400,
+    )
     assert err["param"] == "response_format"
     err = _error(httpx.post(server.url + "/chat/completions", json={"max_tokens": 3}), 400)
     assert err["param"] == "messages"
@@ -73,8 +103,13 @@ def test_unknown_fields_and_missing_ones_are_400(server: object) -> None:
 
 def test_max_tokens_above_the_server_limit_is_400(engine: nb.Engine) -> None:
     with engine.serve(port=0, max_tokens=50) as srv:
-        err = _error(httpx.post(srv.url + "/chat/completions", json={
-            "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 51}), 400)
+        err = _error(
+            httpx.post(
+                srv.url + "/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 51},
+            ),
+            400,
+        )
         assert err["param"] == "max_completion_tokens" and "50" in err["message"]
 
 
@@ -85,7 +120,7 @@ def test_an_oversized_body_is_413(engine: nb.Engine) -> None:
 
         def chunks():  # no Content-Length: the limit applies while reading
             for i in range(0, len(big), 1000):
-                yield big[i:i + 1000]
+                yield big[i : i + 1000]
 
         err = _error(httpx.post(srv.url + "/completions", content=chunks()), 413)
         assert err["code"] == "request_too_large"
@@ -96,12 +131,16 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(server: object) ->
     _error(httpx.get(server.url + "/completions"), 405)
 
 
-def test_a_non_streaming_client_that_leaves_aborts_its_request(server: object,
-                                                              engine: nb.Engine) -> None:
+def test_a_non_streaming_client_that_leaves_aborts_its_request(
+    server: object, engine: nb.Engine
+) -> None:
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/completions", timeout=httpx.Timeout(5, read=0.5),
-                   headers={"X-Request-Id": "gone"},
-                   json={"prompt": "Once", "max_tokens": 4000, "ignore_eos": True})
+        httpx.post(
+            server.url + "/completions",
+            timeout=httpx.Timeout(5, read=0.5),
+            headers={"X-Request-Id": "gone"},
+            json={"prompt": "Once", "max_tokens": 4000, "ignore_eos": True},
+        )
     wait_until(lambda: final_status(engine, "server:gone") is not None, what="the abort")
     assert final_status(engine, "server:gone") == "abort"
 
@@ -109,8 +148,14 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(server: object,
 def test_64_concurrent_streams_get_exact_token_counts(server: object, engine: nb.Engine) -> None:
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int, str | None]:
         want = 5 + i % 13
-        body = {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": want, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "prompt": f"Story {i}:",
+            "max_tokens": want,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         texts, usage, finish = [], None, None
         async with client.stream("POST", server.url + "/completions", json=body) as r:
             assert r.status_code == 200
@@ -136,15 +181,26 @@ def test_64_concurrent_streams_get_exact_token_counts(server: object, engine: nb
 def test_a_key_is_required_when_set(engine: nb.Engine) -> None:
     with engine.serve(port=0, api_key="s3cret") as srv:
         body = {"prompt": "Once", "max_tokens": 2}
-        assert _error(httpx.post(srv.url + "/completions", json=body), 401)["code"] == \
-            "invalid_api_key"
+        assert (
+            _error(httpx.post(srv.url + "/completions", json=body), 401)["code"]
+            == "invalid_api_key"
+        )
         _error(httpx.get(srv.url + "/models"), 401)
-        _error(httpx.post(srv.url + "/completions", json=body,
-                          headers={"Authorization": "Bearer s3cres"}), 401)
-        _error(httpx.post(srv.url + "/completions", json=body,
-                          headers={"Authorization": "Basic s3cret"}), 401)
-        ok = httpx.post(srv.url + "/completions", json=body,
-                        headers={"Authorization": "Bearer s3cret"})
+        _error(
+            httpx.post(
+                srv.url + "/completions", json=body, headers={"Authorization": "Bearer s3cres"}
+            ),
+            401,
+        )
+        _error(
+            httpx.post(
+                srv.url + "/completions", json=body, headers={"Authorization": "Basic s3cret"}
+            ),
+            401,
+        )
+        ok = httpx.post(
+            srv.url + "/completions", json=body, headers={"Authorization": "Bearer s3cret"}
+        )
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
@@ -170,10 +226,13 @@ def test_a_dead_engine_answers_503(chat_model: object) -> None:
 
 def test_stopping_the_server_ends_open_streams(engine: nb.Engine) -> None:
     srv = engine.serve(port=0)
-    with httpx.stream("POST", srv.url + "/completions", timeout=60,
-                      headers={"X-Request-Id": "cut"},
-                      json={"prompt": "Once", "max_tokens": 4000, "ignore_eos": True,
-                            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        srv.url + "/completions",
+        timeout=60,
+        headers={"X-Request-Id": "cut"},
+        json={"prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True},
+    ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         srv.stop()
@@ -185,9 +244,15 @@ def test_stopping_the_server_ends_open_streams(engine: nb.Engine) -> None:
 def test_a_chat_template_given_to_the_server_replaces_the_models(engine: nb.Engine) -> None:
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with engine.serve(port=0, chat_template=template) as srv:
-        r = httpx.post(srv.url + "/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 2,
-            "ignore_eos": True})
+        r = httpx.post(
+            srv.url + "/chat/completions",
+            timeout=60,
+            json={
+                "messages": [{"role": "user", "content": "Once upon a time"}],
+                "max_tokens": 2,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200, r.text
         want = engine.tokenizer.encode("Once upon a time", add_special_tokens=False)
         assert r.json()["usage"]["prompt_tokens"] == len(want)
@@ -195,12 +260,24 @@ def test_a_chat_template_given_to_the_server_replaces_the_models(engine: nb.Engi
 
 def test_engine_refusals_become_400s(server: object, engine: nb.Engine) -> None:
     vocab = engine.tokenizer.backend.get_vocab_size()
-    err = _error(httpx.post(server.url + "/completions",
-                            json={"prompt": [1, 2, vocab + 5], "max_tokens": 2}), 400)
+    err = _error(
+        httpx.post(
+            server.url + "/completions", json={"prompt": [1, 2, vocab + 5], "max_tokens": 2}
+        ),
+        400,
+    )
     assert "vocabulary" in err["message"]
-    err = _error(httpx.post(server.url + "/completions",
-                            json={"prompt": [[1, 2], [3]], "max_tokens": 2}), 400)
+    err = _error(
+        httpx.post(server.url + "/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 2}),
+        400,
+    )
     assert err["param"] == "prompt"
-    err = _error(httpx.post(server.url + "/completions", headers={"X-Request-Id": "a b"},
-                            json={"prompt": "x", "max_tokens": 2}), 400)
+    err = _error(
+        httpx.post(
+            server.url + "/completions",
+            headers={"X-Request-Id": "a b"},
+            json={"prompt": "x", "max_tokens": 2},
+        ),
+        400,
+    )
     assert err["param"] == "X-Request-Id"

@@ -19,18 +19,26 @@ def test_beam_search_matches_transformers(tiny_model: Path, width: int) -> None:
     prompts = [[5, 17, 3, 99], [42, 7]]
     steps = 6
     with nb.LLM(str(tiny_model), dtype="float32", **ENGINE_KW) as llm:
-        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
-                               BeamSearchParams(beam_width=width, max_tokens=steps,
-                                                ignore_eos=True))
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model,
-                                                              torch_dtype=torch.float32).eval()
+        outs = llm.beam_search(
+            [{"prompt_token_ids": p} for p in prompts],
+            BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True),
+        )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model, torch_dtype=torch.float32
+    ).eval()
     for prompt, out in zip(prompts, outs):
         assert len(out.sequences) == width
         with torch.no_grad():
             ref = model.generate(
-                torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
-                do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
-                early_stopping=False, length_penalty=1.0, pad_token_id=0,
+                torch.tensor([prompt]),
+                num_beams=width,
+                num_return_sequences=width,
+                do_sample=False,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                early_stopping=False,
+                length_penalty=1.0,
+                pad_token_id=0,
             )
         assert [s.tokens for s in out.sequences] == ref.tolist()
         scores = [s.cum_logprob for s in out.sequences]

@@ -37,8 +37,9 @@ def _gen(engine: nb.Engine, prompt: object, **kw: object) -> nb.CompletionOutput
 def test_allowed_token_ids_bound_every_token(engine: nb.Engine) -> None:
     allowed = [5, 17, 42, 99]
     for seed in range(5):
-        c = _gen(engine, "Hello", seed=seed, max_tokens=20, ignore_eos=True,
-                 allowed_token_ids=allowed)
+        c = _gen(
+            engine, "Hello", seed=seed, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed
+        )
         assert set(c.token_ids) <= set(allowed)
     c = _gen(engine, "Hello", allowed_token_ids=[7], **GREEDY)
     assert c.token_ids == [7] * 12
@@ -58,13 +59,14 @@ def test_bad_words_single_token_is_never_sampled(engine: nb.Engine) -> None:
 def test_bad_words_multi_token_sequence_is_cut_before_its_last_token(engine: nb.Engine) -> None:
     free = _gen(engine, "Once upon", max_tokens=16, temperature=0, ignore_eos=True)
     seq = free.token_ids[3:6]  # a three-token span the greedy model produces
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                            bad_words_token_ids=[seq])
+    params = SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True, bad_words_token_ids=[seq]
+    )
     out = engine.generate("Once upon", params).result().outputs[0].token_ids
     assert out[:5] == free.token_ids[:5]  # same until the span's last token
     assert out[5] != seq[2]
     for i in range(len(out) - 2):
-        assert out[i:i + 3] != seq
+        assert out[i : i + 3] != seq
 
 
 def test_bad_words_cover_the_leading_space_form(engine: nb.Engine) -> None:
@@ -97,8 +99,7 @@ def test_logprobs_minus_one_needs_max_logprobs(engine: nb.Engine, tiny_model: Pa
         vocab = eng._vocab_size
         for pos in c.logprobs:
             assert len(pos) == vocab
-            assert math.isclose(sum(math.exp(lp.logprob) for lp in pos.values()), 1.0,
-                                rel_tol=1e-3)
+            assert math.isclose(sum(math.exp(lp.logprob) for lp in pos.values()), 1.0, rel_tol=1e-3)
         out = eng.generate("abc", SamplingParams(prompt_logprobs=-1, max_tokens=1)).result()
         assert all(len(p) == vocab for p in out.prompt_logprobs[1:])
 
@@ -114,8 +115,12 @@ def test_logprobs_mode(tiny_model: Path, mode: str) -> None:
                 finite = {t for t, lp in pos.items() if lp.logprob > -1e30}  # masked: ~ -inf
                 assert finite <= {3, 4}
                 if mode == "processed_logprobs":
-                    assert math.isclose(sum(math.exp(pos[t].logprob) for t in finite), 1.0,
-                                        rel_tol=1e-4) or len(finite) < 2
+                    assert (
+                        math.isclose(
+                            sum(math.exp(pos[t].logprob) for t in finite), 1.0, rel_tol=1e-4
+                        )
+                        or len(finite) < 2
+                    )
             else:
                 assert not top <= {3, 4}  # the model's own top tokens
     with pytest.raises(ValueError, match="logprobs_mode"):
@@ -123,7 +128,9 @@ def test_logprobs_mode(tiny_model: Path, mode: str) -> None:
 
 
 def test_raw_logits_are_logits(tiny_model: Path) -> None:
-    with nb.Engine(str(tiny_model), dtype="float32", logprobs_mode="raw_logits", **ENGINE_KW) as eng:
+    with nb.Engine(
+        str(tiny_model), dtype="float32", logprobs_mode="raw_logits", **ENGINE_KW
+    ) as eng:
         c = _gen(eng, "a", logprobs=5, **GREEDY)
         values = [lp.logprob for lp in c.logprobs[0].values()]
         # log-probabilities are all <= 0 and exp-sum to <= 1; logits need not be.
@@ -193,23 +200,26 @@ def test_prompt_dicts(engine: nb.Engine) -> None:
         engine.generate({"prompt_token_ids": "abc"})
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(bad_words="abc"), TypeError, "bad_words"),
-    (dict(bad_words=["ok", " "]), TypeError, "bad_words"),
-    (dict(allowed_token_ids=[]), ValueError, "allowed_token_ids"),
-    (dict(allowed_token_ids=[1, -2]), ValueError, "allowed_token_ids"),
-    (dict(allowed_token_ids=["a"]), TypeError, "allowed_token_ids"),
-    (dict(truncate_prompt_tokens=0), ValueError, "truncate_prompt_tokens"),
-    (dict(truncate_prompt_tokens=1.5), TypeError, "truncate_prompt_tokens"),
-    (dict(logprobs=-2), ValueError, "logprobs"),
-    (dict(detokenize=0), TypeError, "detokenize"),
-    (dict(spaces_between_special_tokens="no"), TypeError, "spaces_between_special_tokens"),
-    (dict(extra_args=[1]), TypeError, "extra_args"),
-    (dict(extra_args={1: 2}), TypeError, "extra_args"),
-    (dict(logits_processors=[1]), TypeError, "logits_processors"),
-    (dict(logits_processors=[lambda x: x]), TypeError, "logits_processors"),
-    (dict(bad_words_token_ids=[[]]), TypeError, "bad_words_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(bad_words="abc"), TypeError, "bad_words"),
+        (dict(bad_words=["ok", " "]), TypeError, "bad_words"),
+        (dict(allowed_token_ids=[]), ValueError, "allowed_token_ids"),
+        (dict(allowed_token_ids=[1, -2]), ValueError, "allowed_token_ids"),
+        (dict(allowed_token_ids=["a"]), TypeError, "allowed_token_ids"),
+        (dict(truncate_prompt_tokens=0), ValueError, "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=1.5), TypeError, "truncate_prompt_tokens"),
+        (dict(logprobs=-2), ValueError, "logprobs"),
+        (dict(detokenize=0), TypeError, "detokenize"),
+        (dict(spaces_between_special_tokens="no"), TypeError, "spaces_between_special_tokens"),
+        (dict(extra_args=[1]), TypeError, "extra_args"),
+        (dict(extra_args={1: 2}), TypeError, "extra_args"),
+        (dict(logits_processors=[1]), TypeError, "logits_processors"),
+        (dict(logits_processors=[lambda x: x]), TypeError, "logits_processors"),
+        (dict(bad_words_token_ids=[[]]), TypeError, "bad_words_token_ids"),
+    ],
+)
 def test_new_fields_are_validated_naming_the_field(kwargs: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         SamplingParams(**kwargs)
@@ -247,10 +257,12 @@ def test_reset_prefix_cache_and_cache_salt(tiny_model: Path) -> None:
             eng.generate({"prompt": "a", "cache_salt": 3})
 
 
-@pytest.mark.parametrize("arch, special", [("llama", "</s>"), ("gpt2", "<|endoftext|>"),
-                                           ("qwen2", "<|im_start|>")])
+@pytest.mark.parametrize(
+    "arch, special", [("llama", "</s>"), ("gpt2", "<|endoftext|>"), ("qwen2", "<|im_start|>")]
+)
 def test_skip_special_tokens_for_every_tokenizer_family(
-        tmp_path: Path, arch: str, special: str) -> None:
+    tmp_path: Path, arch: str, special: str
+) -> None:
     model = make_tiny_model(tmp_path / arch, arch=arch)
     with nb.Engine(str(model), dtype="float32", **ENGINE_KW) as eng:
         sid = eng.tokenizer.backend.token_to_id(special)

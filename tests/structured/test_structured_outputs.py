@@ -30,15 +30,19 @@ SCHEMA = {
 }
 
 
-def _run(engine: nb.Engine, prompts: list[str], params: list[SamplingParams]) -> list[nb.RequestOutput]:
+def _run(
+    engine: nb.Engine, prompts: list[str], params: list[SamplingParams]
+) -> list[nb.RequestOutput]:
     handles = [engine.generate(p, sp) for p, sp in zip(prompts, params)]
     return [h.result(timeout=600) for h in handles]
 
 
 def test_200_seeded_samples_validate_against_the_schema(engine: nb.Engine) -> None:
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured_outputs=spec)
-              for s in range(200)]
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured_outputs=spec)
+        for s in range(200)
+    ]
     outs = _run(engine, [f"Person {i}:" for i in range(200)], params)
     for out in outs:
         c = out.outputs[0]
@@ -47,11 +51,24 @@ def test_200_seeded_samples_validate_against_the_schema(engine: nb.Engine) -> No
 
 
 def test_default_json_whitespace_is_flexible_and_still_parses(engine: nb.Engine) -> None:
-    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
-              "additionalProperties": False}
-    outs = _run(engine, ["a"] * 10, [
-        SamplingParams(seed=s, max_tokens=400, structured_outputs=StructuredOutputsParams(
-            json=json.dumps(schema))) for s in range(10)])
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    outs = _run(
+        engine,
+        ["a"] * 10,
+        [
+            SamplingParams(
+                seed=s,
+                max_tokens=400,
+                structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
+            )
+            for s in range(10)
+        ],
+    )
     finished = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
     assert finished  # a random model may spend its budget on whitespace, but not always
     for c in finished:
@@ -61,8 +78,11 @@ def test_default_json_whitespace_is_flexible_and_still_parses(engine: nb.Engine)
 def test_choice_always_yields_one_of_the_choices(engine: nb.Engine) -> None:
     choices = ["positive", "negative", "neutral", "a mix of both"]
     spec = StructuredOutputsParams(choice=choices)
-    outs = _run(engine, ["Sentiment:"] * 60,
-                [SamplingParams(seed=s, max_tokens=20, structured_outputs=spec) for s in range(60)])
+    outs = _run(
+        engine,
+        ["Sentiment:"] * 60,
+        [SamplingParams(seed=s, max_tokens=20, structured_outputs=spec) for s in range(60)],
+    )
     texts = [o.outputs[0].text for o in outs]
     assert set(texts) <= set(choices)
     assert len(set(texts)) > 1  # the model's randomness still picks among them
@@ -74,37 +94,66 @@ def test_regex_always_fullmatches(engine: nb.Engine) -> None:
     # may be older than llguidance's (docs/structured-outputs.md).
     pattern = r"[A-Z][a-z]{1,6} [0-9]{2,4}(-[a-z]+)?"
     spec = StructuredOutputsParams(regex=pattern)
-    outs = _run(engine, ["Code:"] * 60,
-                [SamplingParams(seed=s, max_tokens=40, structured_outputs=spec) for s in range(60)])
+    outs = _run(
+        engine,
+        ["Code:"] * 60,
+        [SamplingParams(seed=s, max_tokens=40, structured_outputs=spec) for s in range(60)],
+    )
     for o in outs:
         assert re.fullmatch(pattern, o.outputs[0].text), o.outputs[0].text
 
 
 def test_greedy_constrained_request(engine: nb.Engine) -> None:
     spec = StructuredOutputsParams(regex=r"(yes|no)")
-    out = engine.generate("Answer:", SamplingParams(temperature=0, structured_outputs=spec)).result()
+    out = engine.generate(
+        "Answer:", SamplingParams(temperature=0, structured_outputs=spec)
+    ).result()
     assert out.outputs[0].text in ("yes", "no")
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None
 
 
 def test_json_object_and_grammars(engine: nb.Engine) -> None:
-    out = engine.generate("{", SamplingParams(seed=1, max_tokens=200, structured_outputs=(
-        StructuredOutputsParams(json_object=True, disable_any_whitespace=True)))).result()
+    out = engine.generate(
+        "{",
+        SamplingParams(
+            seed=1,
+            max_tokens=200,
+            structured_outputs=(
+                StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+            ),
+        ),
+    ).result()
     assert isinstance(json.loads(out.outputs[0].text), dict)
     lark = 'start: "(" num (" + " num)* ")"\nnum: /[0-9]{1,3}/\n'
     gbnf = 'root ::= "(" num (" + " num)* ")"\nnum ::= [0-9] [0-9]? [0-9]?\n'
     for grammar in (lark, gbnf):
-        outs = _run(engine, ["Sum:"] * 8, [SamplingParams(
-            seed=s, max_tokens=60, structured_outputs=StructuredOutputsParams(grammar=grammar))
-            for s in range(8)])
+        outs = _run(
+            engine,
+            ["Sum:"] * 8,
+            [
+                SamplingParams(
+                    seed=s,
+                    max_tokens=60,
+                    structured_outputs=StructuredOutputsParams(grammar=grammar),
+                )
+                for s in range(8)
+            ],
+        )
         for o in outs:
             if o.outputs[0].finish_reason == "stop":
                 assert re.fullmatch(r"\(\d{1,3}( \+ \d{1,3})*\)", o.outputs[0].text)
 
 
 def test_n_completions_each_follow_the_grammar(engine: nb.Engine) -> None:
-    out = engine.generate("x", SamplingParams(n=5, seed=3, max_tokens=20, structured_outputs=(
-        StructuredOutputsParams(choice=["alpha", "beta", "gamma"])))).result()
+    out = engine.generate(
+        "x",
+        SamplingParams(
+            n=5,
+            seed=3,
+            max_tokens=20,
+            structured_outputs=(StructuredOutputsParams(choice=["alpha", "beta", "gamma"])),
+        ),
+    ).result()
     assert len(out.outputs) == 5
     assert {c.text for c in out.outputs} <= {"alpha", "beta", "gamma"}
 
@@ -131,23 +180,36 @@ def test_constrained_and_plain_requests_share_a_batch_unchanged(engine: nb.Engin
 def test_compiled_grammars_are_cached_by_spec(engine: nb.Engine) -> None:
     compiler = engine._inputs.grammars
     spec = {"type": "object", "properties": {"cached": {"type": "boolean"}}}
-    engine.generate("a", SamplingParams(max_tokens=30, structured_outputs=(
-        StructuredOutputsParams(json=spec)))).result()
+    engine.generate(
+        "a", SamplingParams(max_tokens=30, structured_outputs=(StructuredOutputsParams(json=spec)))
+    ).result()
     hits, misses = compiler.hits, compiler.misses
     # The same schema, given as JSON text with other key order: no new compile.
-    engine.generate("b", SamplingParams(max_tokens=30, structured_outputs=(
-        StructuredOutputsParams(json=json.dumps(dict(reversed(list(spec.items())))))))).result()
+    engine.generate(
+        "b",
+        SamplingParams(
+            max_tokens=30,
+            structured_outputs=(
+                StructuredOutputsParams(json=json.dumps(dict(reversed(list(spec.items())))))
+            ),
+        ),
+    ).result()
     assert (compiler.hits, compiler.misses) == (hits + 1, misses)
 
 
-@pytest.mark.parametrize("spec, match", [
-    (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "json"),
-    (dict(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "json"),
-    (dict(regex="(unclosed"), "regex"),
-    (dict(regex=r"(a)\1"), "regex"),
-    (dict(grammar="start: undefined_rule\n"), "grammar"),
-])
-def test_bad_schemas_and_regexes_fail_at_generate(engine: nb.Engine, spec: dict, match: str) -> None:
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "json"),
+        (dict(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "json"),
+        (dict(regex="(unclosed"), "regex"),
+        (dict(regex=r"(a)\1"), "regex"),
+        (dict(grammar="start: undefined_rule\n"), "grammar"),
+    ],
+)
+def test_bad_schemas_and_regexes_fail_at_generate(
+    engine: nb.Engine, spec: dict, match: str
+) -> None:
     params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
     with pytest.raises(ValueError, match=match):
         engine.generate("p", params)
@@ -156,21 +218,24 @@ def test_bad_schemas_and_regexes_fail_at_generate(engine: nb.Engine, spec: dict,
     assert engine.generate("p", SamplingParams(max_tokens=2)).result().outputs[0].token_ids
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({}, ValueError, "exactly one"),
-    (dict(json={"type": "object"}, regex="a"), ValueError, "exactly one"),
-    (dict(json="{not json"), ValueError, "json"),
-    (dict(json=3), TypeError, "json"),
-    (dict(json=[1]), TypeError, "json"),
-    (dict(json="[1]"), ValueError, "json"),
-    (dict(regex=""), TypeError, "regex"),
-    (dict(choice="abc"), TypeError, "choice"),
-    (dict(choice=[]), ValueError, "choice"),
-    (dict(choice=["a", 1]), TypeError, "choice"),
-    (dict(grammar=5), TypeError, "grammar"),
-    (dict(json_object="yes"), TypeError, "json_object"),
-    (dict(json_object=True, disable_any_whitespace=1), TypeError, "disable_any_whitespace"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({}, ValueError, "exactly one"),
+        (dict(json={"type": "object"}, regex="a"), ValueError, "exactly one"),
+        (dict(json="{not json"), ValueError, "json"),
+        (dict(json=3), TypeError, "json"),
+        (dict(json=[1]), TypeError, "json"),
+        (dict(json="[1]"), ValueError, "json"),
+        (dict(regex=""), TypeError, "regex"),
+        (dict(choice="abc"), TypeError, "choice"),
+        (dict(choice=[]), ValueError, "choice"),
+        (dict(choice=["a", 1]), TypeError, "choice"),
+        (dict(grammar=5), TypeError, "grammar"),
+        (dict(json_object="yes"), TypeError, "json_object"),
+        (dict(json_object=True, disable_any_whitespace=1), TypeError, "disable_any_whitespace"),
+    ],
+)
 def test_params_are_validated_at_construction(kwargs: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         StructuredOutputsParams(**kwargs)
@@ -194,8 +259,11 @@ def test_a_token_the_grammar_rejects_ends_the_request_in_error(engine: nb.Engine
         out[engine.tokenizer.encode("Z", add_special_tokens=False)[0]] = 0.0
         return out  # overrides the grammar's mask: a token no choice starts with
 
-    params = SamplingParams(max_tokens=5, logits_processors=[unmask],
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    params = SamplingParams(
+        max_tokens=5,
+        logits_processors=[unmask],
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
     out = engine.generate("x", params).result()
     assert out.outputs[0].finish_reason == "error"
     assert engine.generate("x", SamplingParams(max_tokens=2)).result().finished

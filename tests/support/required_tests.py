@@ -42,7 +42,8 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "required: must run on CI; a skip is listed in the summary (tests/support/required_tests.py)"
+        "markers",
+        "required: must run on CI; a skip is listed in the summary (tests/support/required_tests.py)",
     )
     config.addinivalue_line("markers", "browser: drives JupyterLab in headless Chromium")
     config.stash[_skipped_key] = []
@@ -65,18 +66,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         item.config.stash[_skipped_key].append((item.nodeid, reason))
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
-                            exitstatus: int, config: pytest.Config) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
     """A red section naming every required test that was skipped, and why."""
     skipped = config.stash.get(_skipped_key, [])
     if not skipped:
         return
     tr = terminalreporter
-    tr.write_sep("!", f"{len(skipped)} REQUIRED TESTS SKIPPED: not checked here",
-                 red=True, bold=True)
+    tr.write_sep(
+        "!", f"{len(skipped)} REQUIRED TESTS SKIPPED: not checked here", red=True, bold=True
+    )
     for nodeid, reason in skipped:
         tr.write_line(f"SKIPPED (required) {nodeid}: {reason}", red=True)
     tr.write_line(
         f"These run on CI, where {REQUIRE_ALL_ENV}=1 turns a skip into a failure "
-        "(README, 'Testing notes').", yellow=True,
+        "(README, 'Testing notes').",
+        yellow=True,
     )

@@ -24,8 +24,9 @@ def abort_and_readd_race(engine: nb.Engine, request_id: str, rounds: int) -> Non
         t.start()
         while True:
             try:
-                new = engine.generate("Once", nb.SamplingParams(max_tokens=3, ignore_eos=True),
-                                      request_id=request_id)
+                new = engine.generate(
+                    "Once", nb.SamplingParams(max_tokens=3, ignore_eos=True), request_id=request_id
+                )
             except nb.RequestIdInUseError:
                 time.sleep(0.0002)
                 continue

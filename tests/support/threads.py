@@ -11,6 +11,7 @@ def engine_threads() -> list[threading.Thread]:
     The one-shot ``nbengine-preload`` thread (widget imports in a kernel) is no engine's.
     """
     return [
-        t for t in threading.enumerate()
+        t
+        for t in threading.enumerate()
         if t.name.startswith("nbengine") and t.name != "nbengine-preload"
     ]
