@@ -15,8 +15,9 @@ Usage::
     python scripts/train_default_model.py --install-from /work/train_out/run1
 
 The number of optimizer steps is chosen from a short throughput measurement
-and the time budget, revised as the shared machine speeds up or slows down, and recorded in TRAINING.json; pass ``--replay-plan TRAINING.json`` (with
-the same seed) to repeat a run exactly.
+and the time budget, revised as the shared machine speeds up or slows down, and
+recorded in TRAINING.json; pass ``--replay-plan TRAINING.json`` (with the same seed)
+to repeat a run exactly.
 """
 
 from __future__ import annotations
@@ -316,7 +317,8 @@ def evaluate(model: Any, rows: Any, batch_size: int) -> float:
 
 
 def unigram_cross_entropy(train_rows: Any, val_rows: Any, vocab_size: int) -> float:
-    """Validation cross-entropy (nats) of an add-one smoothed unigram model of the training tokens."""
+    """Validation cross-entropy (nats) of an add-one smoothed unigram model of the
+    training tokens."""
     import torch
 
     counts = torch.bincount(train_rows.reshape(-1), minlength=vocab_size).double() + 1.0

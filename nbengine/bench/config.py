@@ -27,8 +27,9 @@ class BenchConfig:
     ``import nbengine`` sets when nothing else has, is what a notebook gets).
     ``quantization`` runs nbengine with quantized weights (``nb.Engine(quantization=)``;
     the transformers engines stay in ``dtype``) and counts the quantized weight bytes in
-    the bandwidth bound. ``scale`` shrinks every workload (0.1 for a smoke run). A figure whose repeats
-    disagree by more than ``max_spread`` ((max - min) / median) is reported with a warning.
+    the bandwidth bound. ``scale`` shrinks every workload (0.1 for a smoke run). A figure
+    whose repeats disagree by more than ``max_spread`` ((max - min) / median) is reported
+    with a warning.
     """
 
     model_dir: str | Path | None = None

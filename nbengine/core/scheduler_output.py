@@ -43,7 +43,8 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's batch. Chunks are ordered: decodes first, then prefills (a runner may rely on nothing else)."""
+    """One step's batch. Chunks are ordered: decodes first, then prefills (a runner may
+    rely on nothing else)."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0

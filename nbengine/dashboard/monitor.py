@@ -41,7 +41,8 @@ _preload_started = False
 
 
 def in_kernel() -> bool:
-    """True inside a Jupyter kernel (where widgets can render), not merely with ipykernel imported."""
+    """True inside a Jupyter kernel (where widgets can render), not merely with ipykernel
+    imported."""
     if "IPython" not in sys.modules:  # never import IPython just to ask
         return False
     from IPython import get_ipython

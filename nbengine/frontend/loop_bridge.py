@@ -138,11 +138,16 @@ class LoopBridge:
         """``wait_future`` for a coroutine on any asyncio or trio loop."""
         while not fut.done():
             wake, wait = make_async_waiter()
-            fut.add_done_callback(lambda _f, wake=wake: wake())
+            fut.add_done_callback(_call_ignoring_future(wake))
             await wait(0.25)
             if not fut.done():
                 self.check_health()
         return fut.result()
+
+
+def _call_ignoring_future(fn: Callable[[], None]) -> Callable[[Future[Any]], None]:
+    """A done-callback that calls ``fn`` (bound now: each wait has its own waker)."""
+    return lambda _f: fn()
 
 
 def client_callbacks(

@@ -95,7 +95,8 @@ class ModelRunner:
         assert config.model.seed is not None, "ModelConfig draws a seed when given none"
         self.sampler = Sampler(config.model.seed, config.model.logprobs_mode)
         logger.info(
-            "Loaded %s from %s (%s, max_model_len=%d); KV cache: %d blocks of %d tokens (%.1f MiB).",
+            "Loaded %s from %s (%s, max_model_len=%d); "
+            "KV cache: %d blocks of %d tokens (%.1f MiB).",
             loaded.architecture,
             loaded.path,
             self.dtype,

@@ -75,7 +75,8 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load ``tokenizer.json`` (+ tokenizer_config.json, generation_config.json, config.json)."""
+        """Load ``tokenizer.json`` (and tokenizer_config.json, generation_config.json,
+        config.json)."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():

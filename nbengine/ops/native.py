@@ -316,7 +316,8 @@ class NativeKernels:
 
     @staticmethod
     def cached_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        """The kernel's shape limits: head_dim a multiple of 32 up to 128, <= 8 heads per KV head."""
+        """The kernel's shape limits: head_dim a multiple of 32 up to 128, at most 8 heads
+        per KV head."""
         return head_dim % 32 == 0 and head_dim <= 128 and num_heads // num_kv_heads <= 8
 
 

@@ -37,8 +37,8 @@ def outcome(fn):
 
 def greedy(model, **kw):
     with nb.LLM(model, num_kv_blocks=32, **kw) as llm:
-        out = llm.generate("Once upon a time", nb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                           use_tqdm=False)
+        params = nb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        out = llm.generate("Once upon a time", params, use_tqdm=False)
         return out[0].outputs[0].token_ids
 """
 
@@ -183,7 +183,9 @@ def test_download_fetches_only_the_files_the_engine_reads(tiny: Path, tmp_path: 
                 "dir_ids": greedy({str(tiny)!r}),
                 "missing": outcome(lambda: nb.Engine("tiny-org/no-such-model")),
                 "gated": outcome(lambda: nb.Engine("tiny-org/gated")),
-                "bad_rev": outcome(lambda: nb.Engine("tiny-org/sharded", revision="no-such-branch")),
+                "bad_rev": outcome(
+                    lambda: nb.Engine("tiny-org/sharded", revision="no-such-branch")
+                ),
             }}))
         """,
             {"HF_ENDPOINT": f"http://{host}:{port}", "HF_HUB_CACHE": str(cache)},

@@ -83,7 +83,8 @@ def test_auto_dtype_follows_the_checkpoint_and_the_machine(tmp_path: Path) -> No
     code = (
         "import json, nbengine as nb\n"
         "from nbengine.ops import native\n"
-        f"with nb.Engine({str(model)!r}) as auto, nb.Engine({str(model)!r}, dtype='bfloat16') as bf:\n"
+        f"with nb.Engine({str(model)!r}) as auto, "
+        f"nb.Engine({str(model)!r}, dtype='bfloat16') as bf:\n"
         "    p = nb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)\n"
         "    n = len(bf.generate('Once upon', p).result(120).outputs[0].token_ids)\n"
         "    print(json.dumps({'auto': auto.dtype, 'tokens': n,"

@@ -43,7 +43,8 @@ def _skip_reason(report: pytest.TestReport) -> str:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "required: must run on CI; a skip is listed in the summary (tests/support/required_tests.py)",
+        "required: must run on CI; a skip is listed in the summary "
+        "(tests/support/required_tests.py)",
     )
     config.addinivalue_line("markers", "browser: drives JupyterLab in headless Chromium")
     config.stash[_skipped_key] = []
