@@ -7,12 +7,18 @@ message and sees it answered. Screenshots go to artifacts/screenshots/chat/.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from harness import CHROMIUM, CHROMIUM_ARGS, NotebookPage, jupyter_lab, write_notebook
+from harness import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    NotebookPage,
+    evidence_on_failure,
+    jupyter_lab,
+    write_notebook,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -105,16 +111,10 @@ def test_chat_panel_in_jupyterlab(tmp_path: Path) -> None:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         p = NotebookPage(page, SCREENSHOTS)
         try:
-            page.goto(server.notebook_url("chat.ipynb"))
-            p.wait_ready(server)
-            _stages(p)
-        except BaseException:
-            try:
-                p.screenshot("failure")
-            except Exception:
-                pass
-            print(server.log_tail(), file=sys.stderr)
-            raise
+            with evidence_on_failure(p, server, "failure"):
+                page.goto(server.notebook_url("chat.ipynb"))
+                p.wait_ready(server)
+                _stages(p)
         finally:
             browser.close()
 
