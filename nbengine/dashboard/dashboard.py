@@ -133,6 +133,8 @@ class Dashboard(widgets.VBox):
         # A LiveFigure, not a plain FigureWidget: a slow browser drew the plain one blank
         # (nbengine/dashboard/figure.py).
         self.figure = LiveFigure(fig)
+        self.figure.when_stale(self._replace_figure)
+        self._chart_lock = monitor.updater.lock  # held by the updater while it writes charts
         super().__init__(
             # The button comes first: the title's width changes with its counts, and a
             # button after it would move under the pointer.
@@ -149,6 +151,20 @@ class Dashboard(widgets.VBox):
         )
         self.add_class("nbengine-dashboard")
         self.view = DashboardView(self, monitor)
+
+    def _replace_figure(self) -> None:
+        """The browser's view of the charts stopped receiving updates (a fault of the
+        widget front end, nbengine/dashboard/figure.py): show a fresh copy instead."""
+        from nbengine.dashboard.figure import LiveFigure
+
+        with self._chart_lock:
+            old = self.figure
+            new = LiveFigure(old)
+            new.when_stale(self._replace_figure)
+            self.figure = new
+            kept: tuple[Any, ...] = tuple(self.children)  # type: ignore[has-type]
+            self.children = tuple(new if c is old else c for c in kept)
+        old.close()
 
     def __repr__(self) -> str:
         return "Dashboard()"
