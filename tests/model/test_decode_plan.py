@@ -19,6 +19,7 @@ from nbengine.config import EngineConfig
 from nbengine.core.engine_core import EngineCore
 from nbengine.core.messages import EngineCoreRequest
 from nbengine.ops import native
+from nbengine.ops.linear import packed_linear_supported
 from nbengine.sampling_params import SamplingParams
 from nbengine.testing import make_tiny_model
 
@@ -198,6 +199,9 @@ def test_single_sequence_split_across_threads_matches(tmp_path: Path) -> None:
     assert len(results[0]) == 12 and results[0] == results[1]
 
 
+@pytest.mark.skipif(
+    not packed_linear_supported(torch.bfloat16), reason="oneDNN bfloat16 prepacking unavailable"
+)
 def test_with_onednn_twins_large_decode_steps_take_the_module_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
