@@ -45,15 +45,28 @@ function render({ model, el }) {
   // event comes a frame later, and an update in between must not pull them back down.
   pre.addEventListener("wheel", (e) => { if (e.deltaY < 0) follow = false; },
                        { passive: true });
+  // The heights the text had since the last scroll event: a scroll event arrives a frame
+  // after the scroll, so a reader who scrolled back to the bottom may find the text grown
+  // by then; reaching the bottom of any of these heights is reaching the bottom.
+  let heights = [];
   pre.addEventListener("scroll", () => {
-    if (pre.scrollHeight - pre.scrollTop - pre.clientHeight <= SLACK) {
+    const seen = pre.scrollTop + pre.clientHeight;
+    const bottoms = heights.concat([pre.scrollHeight]);
+    heights = [];
+    if (bottoms.some((h) => h - seen <= SLACK && seen - h <= SLACK)) {
       follow = true;  // back at the bottom (by wheel, keys or the scroll bar)
+      if (pre.scrollHeight - seen > SLACK) {
+        pre.scrollTop = pre.scrollHeight;  // the text grew meanwhile: catch up
+        ours = pre.scrollTop;
+      }
     } else if (pre.scrollTop !== ours) {
       follow = false;  // moved away by the reader, not by our own scroll to the end
     }
   });
   const show = () => {
     const text = model.get("value") || "";
+    heights.push(pre.scrollHeight);
+    if (heights.length > 64) heights.shift();
     if (text.startsWith(shown)) {
       node.appendData(text.slice(shown.length));  // the usual case: the text grew
     } else {
