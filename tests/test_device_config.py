@@ -5,6 +5,8 @@ numbers: the machine running the tests needs no GPU)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from nbengine.testing import TINY_LLAMA, make_tiny_model
 
 from support.threads import engine_threads
 
+ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 
@@ -137,3 +140,24 @@ def test_gpu_utilization_beyond_free_memory_fails_naming_it(tmp_path: Path) -> N
         _gpu_plan(path, 4 * GIB, 8 * GIB)  # another process holds half the GPU
     plan, _, _ = _gpu_plan(path, 4 * GIB, 8 * GIB, gpu_memory_utilization=0.45)
     assert plan.num_kv_blocks > 0
+
+
+def test_gpu_check_runs_small_on_the_cpu() -> None:
+    # scripts/gpu_check.py cannot rot: its quick mode runs every part on this machine.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, "one JSON summary"
+    summary = json.loads(lines[0])
+    assert summary["ok"] and summary["device"] == "cpu"
+    assert set(summary["parity"]) == {"llama", "mistral", "qwen2", "qwen3", "gpt2"}
+    assert summary["race"] == {"ok": True, "rounds": 3, "failures": []}
+    tp = summary["throughput"]
+    assert tp["nbengine"]["output_tokens"] == tp["expected_output_tokens"]
+    assert tp["hf_cb"]["output_tokens"] > 0
