@@ -125,6 +125,7 @@ class StepStager:
         buf, layout = self.pack()
         staged = buf.to(self.device, non_blocking=True)
         if is_cuda(self.device):
+            # On the stream the copy was queued on: the device's own (cuda:N from any thread).
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(staged.device))
         return StagedInputs(staged, layout)
