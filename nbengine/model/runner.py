@@ -198,6 +198,10 @@ class ModelRunner:
         chunks += [c for c in batch.chunks if c.num_tokens != 1]
         bs = self.block_size
         step = _Step()
+        # Bound once: this loop runs per chunk on every step of the CPU's default path too.
+        ids, positions, specs = step.ids, step.positions, step.specs
+        sample_rows, sample_chunks = step.sample_rows, step.sample_chunks
+        max_len = self.max_model_len
         row = 0
         for c in chunks:
             req = c.request
@@ -205,13 +209,13 @@ class ModelRunner:
             assert 0 < c.num_tokens and end <= req.num_tokens, "chunk beyond the request's tokens"
             assert c.sample == (end == req.num_tokens), "sample flag disagrees with chunk end"
             assert len(c.block_table) * bs >= end, "block table too short for the chunk"
-            assert end <= self.max_model_len, "chunk beyond max_model_len"
-            step.ids.extend(req.all_token_ids[c.start_pos : end])
-            step.positions.extend(range(c.start_pos, end))
-            step.specs.append(ChunkSpec(c.start_pos, c.num_tokens, c.block_table))
+            assert end <= max_len, "chunk beyond max_model_len"
+            ids.extend(req.all_token_ids[c.start_pos : end])
+            positions.extend(range(c.start_pos, end))
+            specs.append(ChunkSpec(c.start_pos, c.num_tokens, c.block_table))
             if c.sample:
-                step.sample_rows.append(row + c.num_tokens - 1)
-                step.sample_chunks.append(c)
+                sample_rows.append(row + c.num_tokens - 1)
+                sample_chunks.append(c)
             k = req.sampling_params.prompt_logprobs
             # Prompt logprobs are produced during the first prefill only (no outputs yet).
             if k is not None and req.num_output_tokens == 0 and c.start_pos < req.num_prompt_tokens:
