@@ -38,6 +38,11 @@ each token's keys at its window. A step whose every context fits in the window i
 attention.
 Logit soft-capping (``softcap=c``: scores become ``c * tanh(s / c)`` before the mask,
 Gemma 2) runs the same gathers through an explicit softmax instead of SDPA.
+
+On the runner's device path (a GPU, or the CPU with ``NBENGINE_DEVICE_PATH=1``;
+docs/architecture.md, "Devices") ``StagedAttention`` builds the same decode groups and
+prefill inputs from one staged copy of the step's lists, for every window the model
+uses, with masks and context slots computed on the device; the native kernel is off.
 """
 
 from __future__ import annotations

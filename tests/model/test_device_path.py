@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 import nbengine as nb
 from nbengine.config import EngineConfig
 from nbengine.model.runner import ModelRunner
+from nbengine.model.step_inputs import StepStager
 from nbengine.sampling_params import SamplingParams, StructuredOutputsParams
 from nbengine.testing import ARCHS, make_tiny_model
 
@@ -288,6 +289,22 @@ def test_sync_recorder_sees_host_reads() -> None:
         t.sum().item()
         torch.tensor([1, 2])
     assert rec.calls == ["tolist", "__bool__", "item", "tensor(list)"]
+
+
+def test_staged_inputs_come_back_as_they_went_in() -> None:
+    stager = StepStager("cpu")
+    for scale in (1, 50):  # the second step needs a larger buffer than the first
+        stager.reset()
+        ints = list(range(-3, 4 * scale))
+        mask = torch.arange(15 * scale, dtype=torch.int32).view(3, 5 * scale) - 7
+        flags = torch.tensor([True, False, True])
+        h_i, h_f = stager.ints(ints), stager.floats([0.25, 1e-300, -2.5])
+        h_m, h_b, h_e = stager.tensor(mask), stager.tensor(flags), stager.ints([])
+        views = stager.to_device()
+        assert views[h_i].tolist() == ints and views[h_i].dtype == torch.int64
+        assert views[h_f].tolist() == [0.25, 1e-300, -2.5]
+        assert torch.equal(views[h_m], mask) and torch.equal(views[h_b], flags)
+        assert views[h_e].shape == (0,)
 
 
 # --- configuration --------------------------------------------------------------------
