@@ -73,6 +73,9 @@ def test_every_run_has_a_fresh_process_with_the_same_settings(report: dict) -> N
     for r in runs:
         assert r["output_tok_s_min"] <= r["output_tok_s"] <= r["output_tok_s_max"]
         assert r["spread"] >= 0 and r["repeats"] == 1
+        # Each worker read the machine's speed around its run (docs/benchmarks.md).
+        for when in ("probe_before", "probe_after"):
+            assert r[when]["matmul_gflop_s"] > 0 and r[when]["bandwidth_gb_s"] > 0
 
 
 def test_spread_of_repeats_and_its_warning() -> None:
@@ -83,6 +86,21 @@ def test_spread_of_repeats_and_its_warning() -> None:
     assert math.isclose(steady["spread"], 0.06) and math.isclose(shaky["spread"], 0.3)
     warnings = spread_warnings({"W1": {"a": steady, "b": shaky}}, 0.10)
     assert len(warnings) == 1 and warnings[0].startswith("W1 b: repeats disagree by 30%")
+    # With the workers' machine probes, the warning says whether the machine moved too.
+    probed = median_run(
+        [
+            {
+                "output_tok_s": x,
+                "probe_before": {"matmul_gflop_s": m, "bandwidth_gb_s": 20.0},
+                "probe_after": {"matmul_gflop_s": m, "bandwidth_gb_s": 20.0},
+            }
+            for x, m in ((100.0, 800.0), (120.0, 1000.0), (90.0, 600.0))
+        ]
+    )
+    assert math.isclose(probed["probe_matmul_spread"], 0.5)
+    assert probed["probe_bandwidth_spread"] == 0.0
+    (note,) = spread_warnings({"W1": {"c": probed}}, 0.10)
+    assert "probe moved by 50% in matmul and 0% in bandwidth" in note
     text = format_report(
         {
             "machine": {

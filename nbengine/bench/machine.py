@@ -52,6 +52,35 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1536, reps: int = 5) -> fl
     return 2 * n**3 / t
 
 
+def probe(dtype: torch.dtype) -> dict[str, float]:
+    """A short reading of the machine's speed, taken by each bench worker just before and
+    just after its measured run (well under a second).
+
+    The median (not the best) of repeated small copies and matmuls, so a host that is
+    slower for the whole reading shows as slower: when an engine's repeats disagree, the
+    probes of the same processes say whether the machine moved too (docs/benchmarks.md).
+    """
+    n = 64 * (1 << 20)
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    a = torch.randn(768, 768).to(dtype)
+    b = torch.randn(768, 768).to(dtype)
+
+    def median_time(fn: Any, reps: int) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[reps // 2]
+
+    return {
+        "bandwidth_gb_s": 2 * n / median_time(lambda: dst.copy_(src), 9) / 1e9,
+        "matmul_gflop_s": 2 * 768**3 / median_time(lambda: torch.mm(a, b), 41) / 1e9,
+    }
+
+
 def load_average() -> tuple[float, float, float] | None:
     """The 1/5/15-minute load averages (what ``uptime`` prints), None if unknown."""
     try:

@@ -87,7 +87,21 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "spread": (max(rates) - min(rates)) / med if med > 0 else 0.0,
         }
     )
+    chosen.update(_probe_spread(ok))
     return chosen
+
+
+def _probe_spread(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """How far the machine's own probe (taken before and after every repeat, in the same
+    process) moved over ``runs``: ``probe_matmul_spread`` and ``probe_bandwidth_spread``,
+    (max - min) / median of every reading. Empty when a run has no probe."""
+    out: dict[str, float] = {}
+    for key, name in (("matmul_gflop_s", "matmul"), ("bandwidth_gb_s", "bandwidth")):
+        vals = [r[when][key] for r in runs for when in ("probe_before", "probe_after") if when in r]
+        if vals:
+            med = statistics.median(vals)
+            out[f"probe_{name}_spread"] = (max(vals) - min(vals)) / med if med > 0 else 0.0
+    return out
 
 
 def spread_warnings(results: dict[str, dict[str, dict[str, Any]]], limit: float) -> list[str]:
@@ -100,9 +114,19 @@ def spread_warnings(results: dict[str, dict[str, dict[str, Any]]], limit: float)
                     f"{w} {e}: repeats disagree by {100 * r['spread']:.0f}% "
                     f"({r['output_tok_s_min']:.1f}-{r['output_tok_s_max']:.1f} output tok/s, "
                     f"more than {100 * limit:.0f}%): the machine was not steady; do not "
-                    f"publish this figure"
+                    f"publish this figure{_probe_note(r)}"
                 )
     return out
+
+
+def _probe_note(r: dict[str, Any]) -> str:
+    """What the same processes' machine probes did while the figure spread."""
+    if "probe_matmul_spread" not in r:
+        return ""
+    return (
+        f" (the machine's own probe moved by {100 * r['probe_matmul_spread']:.0f}% in matmul "
+        f"and {100 * r['probe_bandwidth_spread']:.0f}% in bandwidth over the same repeats)"
+    )
 
 
 def targets(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -265,7 +265,7 @@ class _Run:
                         else:
                             self.say(
                                 f"  {res['output_tok_s']:.1f} output tok/s, "
-                                f"wall {res['wall_s']:.1f} s"
+                                f"wall {res['wall_s']:.1f} s{_probes(res)}"
                             )
         return {w: {e: median_run(rs) for e, rs in per.items()} for w, per in raw.items()}
 
@@ -343,6 +343,17 @@ class _Run:
             self.processes.append(res["process"])
             res["pid"] = res.pop("process")["pid"]
         return res
+
+
+def _probes(res: dict[str, Any]) -> str:
+    """The worker's machine probes before -> after its run, for the progress line."""
+    a, b = res.get("probe_before"), res.get("probe_after")
+    if not a or not b:
+        return ""
+    return (
+        f"; machine probe {a['matmul_gflop_s']:.0f} -> {b['matmul_gflop_s']:.0f} GFLOP/s, "
+        f"{a['bandwidth_gb_s']:.1f} -> {b['bandwidth_gb_s']:.1f} GB/s"
+    )
 
 
 def _load() -> str:

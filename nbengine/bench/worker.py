@@ -121,6 +121,7 @@ def run_job(job: Job) -> dict[str, Any]:
     """Run ``job`` in this process and return its summary (figures, or an error)."""
     import torch
 
+    from nbengine.bench.machine import probe
     from nbengine.bench.report import percentile, summarise, to_ms
     from nbengine.bench.workloads import make_workloads
 
@@ -134,6 +135,8 @@ def run_job(job: Job) -> dict[str, Any]:
     if warm.error:
         raise RuntimeError(f"warm-up failed: {warm.error}")
     out["warmup_s"] = time.perf_counter() - t_warm
+    dtype = getattr(torch, job.dtype)
+    out["probe_before"] = probe(dtype)
     out["load_average_before"] = list(os.getloadavg())
     if job.kind == "abort":
         lat = driver.abort_latency(wl.prompts, job.abort_running, job.abort_count)
@@ -148,6 +151,7 @@ def run_job(job: Job) -> dict[str, Any]:
     else:
         out.update(summarise(driver.run(wl, **job.overrides)))
     out["load_average_after"] = list(os.getloadavg())
+    out["probe_after"] = probe(dtype)
     out["process"] = _process_state()
     return out
 

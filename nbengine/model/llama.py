@@ -293,6 +293,9 @@ class LlamaForCausalLM(nn.Module):
         # Decode-only steps run through a DecodePlan where the native kernels can run the
         # whole stack; set False to force the module path (tests compare the two).
         self.decode_plans_enabled = True
+        # With oneDNN twins (ops/linear.py), decode steps of more rows than this run the
+        # module path, whose products of that many rows run on the twins; None: no limit.
+        self.decode_plan_max_rows: int | None = None
         self._plan: DecodePlan | None = None
 
     def tie_weights(self) -> None:
@@ -309,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (final norm applied) for the flattened batch."""
         x = self.embed_tokens(input_ids)
-        if meta.num_decodes == x.shape[0] and self.decode_plans_enabled:
+        if self._plan_may_run(meta, x.shape[0]):
             plan = self._decode_plan(kv_caches)
             if plan is not None:  # every layer in one native call (model/decode_plan.py)
                 x, res = plan.run(x, positions, meta)
@@ -331,12 +334,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | None:
         """float32 logits of every row of a decode-only step, from one native call (the
         layers, the final norm and lm_head); ``None`` where the plan cannot do it."""
-        if meta.num_decodes != input_ids.shape[0] or not self.decode_plans_enabled:
+        if not self._plan_may_run(meta, input_ids.shape[0]):
             return None
         plan = self._decode_plan(kv_caches)
         if plan is None or not plan.has_lm_head:
             return None
         return plan.logits(self.embed_tokens(input_ids), positions, meta)
+
+    def _plan_may_run(self, meta: AttentionMetadata, rows: int) -> bool:
+        """A decode-only step the decode plan is allowed to take."""
+        limit = self.decode_plan_max_rows
+        return (
+            meta.num_decodes == rows
+            and self.decode_plans_enabled
+            and (limit is None or rows <= limit)
+        )
 
     def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan | None:
         plan = self._plan

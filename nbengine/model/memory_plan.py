@@ -7,7 +7,9 @@ the model yet (the ``before_weights`` hook of ``load_model``). It estimates
   read) at the dtype the engine will use, not the checkpoint's; plus the separate packed
   ``lm_head`` that bfloat16 models with tied embeddings get (ops/linear.py); with
   ``quantization``, linear weights at that format's bytes per weight (ops/quant.py), so
-  the KV cache gets the memory they no longer take;
+  the KV cache gets the memory they no longer take; on CPUs with AMX, the oneDNN copy of
+  the bfloat16 linear weights (ops/linear.py, "The oneDNN twin"), kept only while it
+  takes at most ``_TWIN_SHARE`` of the free memory;
 - the **RoPE tables**: cos and sin, float32, ``max_model_len x head_dim / 2`` each, per
   distinct RoPE setting (Gemma 3 has two; ops/rotary.py), which matter for very long
   contexts;
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nbengine.model.errors import ModelLoadError
+from nbengine.ops.linear import onednn_twin_supported
 
 if TYPE_CHECKING:
     from nbengine.config import EngineConfig
@@ -59,6 +62,9 @@ _GIB = 1 << 30
 # With kv_cache_memory_gb=None the KV cache takes what is free after the weights, less
 # this share of the free memory (activations, logits, the tokenizer, Python itself).
 _HEADROOM = 0.10
+# The oneDNN twin of the linear weights (ops/linear.py) is kept only while it takes at
+# most this share of the free memory: it buys speed, never the ability to load a model.
+_TWIN_SHARE = 0.25
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 
 
@@ -205,6 +211,8 @@ class MemoryPlan:
     dtype: str
     available_bytes: int | None  # free when planned; None if it could not be told
     quantization: str | None = None  # the weights' format (ops/quant.py); None: dtype
+    # The oneDNN copy of the bfloat16 linear weights (ops/linear.py); 0: none.
+    onednn_twin_bytes: int = 0
     device: str = "cpu"  # on CUDA, available_bytes is gpu_memory_utilization's budget
 
     @property
@@ -214,8 +222,9 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Weights, RoPE tables and KV cache."""
-        return self.weights_bytes + self.buffers_bytes + self.kv_cache_bytes
+        """Weights (and their oneDNN copy), RoPE tables and KV cache."""
+        fixed = self.weights_bytes + self.onednn_twin_bytes + self.buffers_bytes
+        return fixed + self.kv_cache_bytes
 
     @property
     def kv_tokens(self) -> int:
@@ -232,6 +241,8 @@ class MemoryPlan:
             else f" of {format_bytes(self.available_bytes)} allowed on {self.device}"
         )
         rope = f" + RoPE tables {format_bytes(self.buffers_bytes)}" if self.buffers_bytes else ""
+        if self.onednn_twin_bytes:
+            rope = f" + oneDNN copy of the linears {format_bytes(self.onednn_twin_bytes)}" + rope
         kind = (
             self.dtype
             if self.quantization is None
@@ -287,6 +298,25 @@ def _advice(dtype: torch.dtype) -> str:
     return "Try " + ", ".join(tips) + ", or free memory (other engines: engine.shutdown())."
 
 
+def linear_weights_bytes(
+    files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype
+) -> int:
+    """Bytes of the linear layers' weights at ``dtype`` (the 2-D tensors that are not
+    embeddings), a tied ``lm_head`` counted once more: what a oneDNN twin copies."""
+    shapes = _safetensors_shapes(files)
+    tied = bool(cfg.get("tie_word_embeddings", arch == "GPT2LMHeadModel"))
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, shape in shapes.items():
+        if name.endswith(("embed_tokens.weight", "wte.weight")) and tied:
+            total += math.prod(shape)  # the tied head's packed copy
+        elif len(shape) == 2 and not name.endswith(_EMBEDDINGS) and name != "lm_head.weight":
+            total += math.prod(shape)
+        elif name == "lm_head.weight" and not tied:
+            total += math.prod(shape)
+    return total * elem
+
+
 def plan_memory(
     config: EngineConfig,
     weight_files: list[Path],
@@ -328,7 +358,17 @@ def plan_memory(
     quantization = config.model.quantization
     weights = weights_bytes(weight_files, cfg, arch, dtype, quantization, packed=not cuda)
     layers, kv_heads, head_dim, rope = _kv_dims(cfg, arch, max_model_len)
-    fixed = weights + rope
+    twin = 0
+    if quantization is None and not cuda and onednn_twin_supported(dtype):
+        twin = linear_weights_bytes(weight_files, cfg, arch, dtype)
+        if available is not None and twin > _TWIN_SHARE * available:
+            logger.info(
+                "No oneDNN copy of the linear weights: it would take %s of %s free.",
+                format_bytes(twin),
+                format_bytes(available),
+            )
+            twin = 0
+    fixed = weights + twin + rope
     elem = torch.empty((), dtype=dtype).element_size()
     per_block = 2 * layers * cache.block_size * kv_heads * head_dim * elem
     per_seq = math.ceil(max_model_len / cache.block_size)
@@ -382,6 +422,7 @@ def plan_memory(
         dtype_name,
         available,
         quantization,
+        twin,
         device,
     )
     if available is not None and plan.total_bytes > available:

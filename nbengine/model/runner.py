@@ -33,7 +33,7 @@ from nbengine.model.protocol import CausalLM
 from nbengine.model.step_inputs import StagedInputs, StepStager
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.ops.attention import ChunkSpec, StagedAttention, build_attention_metadata
-from nbengine.ops.linear import pack_linears
+from nbengine.ops.linear import ONEDNN_MIN_ROWS, pack_linears
 from nbengine.ops.sampling import Sampler, topk_logprobs
 from nbengine.ops.staged_sampling import StagedSampling, logprob_pieces, unpack_logprobs
 from nbengine.outputs import PositionLogprobs
@@ -106,9 +106,15 @@ class ModelRunner:
             and config.model.quantization is None
             and not self.device_path
         ):
-            # Prepacked oneDNN weights: exact vs F.linear, 1.5-2x faster on CPU (ops/linear.py).
-            n_packed = pack_linears(loaded.model, config.scheduler.max_num_seqs)
-            logger.info("Packed %d bfloat16 linear layers for oneDNN.", n_packed)
+            # Native (or oneDNN) prepacked weights; on AMX CPUs with a oneDNN twin for
+            # products of many rows, as the memory plan decided (ops/linear.py).
+            twin = self.memory_plan.onednn_twin_bytes > 0
+            n_packed = pack_linears(loaded.model, config.scheduler.max_num_seqs, twin)
+            how = " (with oneDNN twins)" if twin else ""
+            logger.info("Packed %d bfloat16 linear layers%s.", n_packed, how)
+            if twin and hasattr(loaded.model, "decode_plan_max_rows"):
+                # Larger decode steps take the module path, whose products use the twins.
+                loaded.model.decode_plan_max_rows = ONEDNN_MIN_ROWS - 1
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.block_size: int = config.cache.block_size

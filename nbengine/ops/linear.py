@@ -5,10 +5,27 @@ Two packings, tried in this order by ``pack_linears``:
 ``NativeLinear``: nbengine's own kernel (ops/kernels.c via ops/native.py), weights in a
 VNNI layout inside one huge-page ``WeightArena``. It reads the weights of a decode step
 as one sequential stream: measured here (2 threads, SmolLM2-135M shapes, all 30 layers
-plus lm_head, M = 1) 9 ms per step against 15-20 ms for oneDNN's prepacked weights, and it
-is as fast as oneDNN at every batch size up to 512 rows.
+plus lm_head, M = 1) 9 ms per step against 15-20 ms for oneDNN's prepacked weights, and on
+the AMD host (no AMX) it was as fast as oneDNN at every batch size up to 512 rows.
 
 ``PackedLinear``: oneDNN's prepacked weights, where the native kernels are unavailable.
+
+**The oneDNN twin (CPUs with AMX).** The native kernels use AVX-512 BF16 dot products.
+On a CPU with AMX tile units (``amx_bf16``: Intel Xeon since Sapphire Rapids) oneDNN's
+bfloat16 products run on the tiles and leave them far behind once a product has a few
+rows: measured on this project's Intel host (2 threads, SmolLM2-135M shapes) a
+``[64, 576] x [576, 3072]`` product took 2.4 ms natively and 0.6 ms in oneDNN, and a
+512-row one 20.6 ms against 3.7 ms; at one row the native kernel stays as fast or
+faster. So on such CPUs a ``NativeLinear`` may also hold a oneDNN-packed copy of its
+weight (``onednn_twin=True`` in ``pack_linears``) and send products of
+``ONEDNN_MIN_ROWS`` rows or more to it: prefill chunks and large decode batches on the
+tiles, small decode batches through the native kernels and the whole-stack decode plan
+(model/decode_plan.py). The copy doubles the linear layers' memory, so the memory plan
+counts it and turns it off when it would take much of the free memory
+(model/memory_plan.py). oneDNN rounds its output to bfloat16 (as ``F.linear`` does), so
+the float32 logits of a large batch carry bfloat16 rounding, like ``transformers``'.
+``NBENGINE_LINEAR=native`` turns the twin off; ``NBENGINE_LINEAR=onednn`` uses oneDNN's
+packing alone (no native linears, no decode plan), for comparisons.
 
 ``F.linear`` on bfloat16 CPU tensors re-lays the weight out on every call and, for the
 single-row products of decoding, runs a slow path: measured on this project's machine
@@ -38,6 +55,31 @@ from nbengine.ops import native
 from nbengine.ops.arena import WeightArena
 
 logger = logging.getLogger(__name__)
+
+
+# Products with at least this many rows go to the oneDNN twin (module docstring): on the
+# Intel host the twin was faster from 8 rows on for every SmolLM2-135M shape, but a
+# whole-stack decode plan step (model/decode_plan.py) of 8 rows still beat the module
+# path on the twins; from 16 rows the twins won.
+ONEDNN_MIN_ROWS = 12
+
+
+def linear_mode() -> str:
+    """``NBENGINE_LINEAR``: "auto" (the default: native, with the oneDNN twin on AMX
+    CPUs), "native" (no twin) or "onednn" (oneDNN packing alone)."""
+    mode = os.environ.get("NBENGINE_LINEAR", "auto")
+    return mode if mode in ("auto", "native", "onednn") else "auto"
+
+
+def onednn_twin_supported(dtype: torch.dtype) -> bool:
+    """True when bfloat16 ``NativeLinear``s here should carry a oneDNN twin: native kernels
+    and oneDNN bfloat16 available, a CPU with AMX, and ``NBENGINE_LINEAR`` not set against."""
+    return (
+        linear_mode() == "auto"
+        and packed_linear_supported(dtype)
+        and native.kernels() is not None
+        and native.has_amx()
+    )
 
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:
@@ -89,7 +131,11 @@ class NativeLinear(nn.Module):
     _b: torch.Tensor | None
 
     def __init__(
-        self, linear: nn.Linear, kernels: native.NativeKernels, arena: WeightArena | None = None
+        self,
+        linear: nn.Linear,
+        kernels: native.NativeKernels,
+        arena: WeightArena | None = None,
+        onednn_twin: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -103,31 +149,55 @@ class NativeLinear(nn.Module):
         self.register_buffer(
             "bias", None if b is None else b.detach().contiguous().clone(), persistent=False
         )
+        # The oneDNN copy for products of ONEDNN_MIN_ROWS rows or more (module docstring).
+        twin = (
+            torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+            if onednn_twin
+            else None
+        )
+        self.register_buffer("onednn_weight", twin, persistent=False)
         # Plain attributes for the per-call path (nn.Module.__getattr__ costs ~1 us a lookup).
-        self._w, self._b = self.packed_weight, self.bias
+        self._w, self._b, self._dnn = self.packed_weight, self.bias, twin
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``x [..., in_features]`` -> ``[..., out_features]`` in ``out_dtype`` (bf16 or f32)."""
         if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():  # the usual case
-            return self._kernels.linear(x, self._w, self.out_features, self._b, out_dtype)
+            return self._product(x, out_dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
             x2 = x2.to(torch.bfloat16).contiguous()
-        y = self._kernels.linear(x2, self._w, self.out_features, self._b, out_dtype)
-        return y.view(*lead, self.out_features)
+        return self._product(x2, out_dtype).view(*lead, self.out_features)
+
+    def _product(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        if self._dnn is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
+            y = torch.ops.mkldnn._linear_pointwise(x, self._dnn, self._b, "none", [None], "")
+            return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+        return self._kernels.linear(x, self._w, self.out_features, self._b, out_dtype)
+
+    @property
+    def has_onednn_twin(self) -> bool:
+        """Whether products of ``ONEDNN_MIN_ROWS`` rows or more run in oneDNN."""
+        return self._dnn is not None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, native"
+        twin = " + onednn twin" if self._dnn is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, native{twin}"
 
 
 def _agrees(linear: nn.Linear, packed: nn.Module) -> bool:
+    """The packed layer's products (few rows, and enough rows to reach a oneDNN twin)
+    agree with ``F.linear``."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, linear.in_features, generator=gen).to(linear.weight.dtype)
-    with torch.inference_mode():
-        want = F.linear(x, linear.weight, linear.bias).float()
-        got = packed(x).float()
-    return bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()) + 1e-6))
+    for rows in (3, ONEDNN_MIN_ROWS + 1):
+        x = torch.randn(rows, linear.in_features, generator=gen).to(linear.weight.dtype)
+        with torch.inference_mode():
+            want = F.linear(x, linear.weight, linear.bias).float()
+            got = packed(x).float()
+        tol = 1e-2 * float(want.abs().max()) + 1e-6
+        if not torch.allclose(got, want, rtol=1e-2, atol=tol):
+            return False
+    return True
 
 
 def _bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -139,16 +209,20 @@ def _bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     ]
 
 
-def pack_linears(model: nn.Module, batch_size_hint: int | None = None) -> int:
+def pack_linears(
+    model: nn.Module, batch_size_hint: int | None = None, onednn_twin: bool = False
+) -> int:
     """Replace every bfloat16 ``nn.Linear`` of ``model`` by a packed one; returns how many.
 
-    ``NativeLinear`` (all weights in one ``WeightArena``) where the native kernels are
-    available, else ``PackedLinear``. A layer whose packed product disagrees with
-    ``F.linear`` (or cannot be packed) is left as it is. Tied weights stay tied where they
-    are read as weights (the embedding); the packed copy of a tied ``lm_head`` is separate.
+    ``NativeLinear`` (all weights in one ``WeightArena``; with ``onednn_twin`` each also
+    keeps a oneDNN copy for products of many rows, see the module docstring) where the
+    native kernels are available, else ``PackedLinear``. A layer whose packed product
+    disagrees with ``F.linear`` (or cannot be packed) is left as it is. Tied weights stay
+    tied where they are read as weights (the embedding); the packed copy of a tied
+    ``lm_head`` is separate.
     """
     linears = _bf16_linears(model)
-    kernels = native.kernels()
+    kernels = native.kernels() if linear_mode() != "onednn" else None
     make: Callable[[nn.Linear], nn.Module]
     if kernels is not None:
         linears = [(p, n, c) for p, n, c in linears if c.in_features % 2 == 0]  # kernel's limit
@@ -158,7 +232,7 @@ def pack_linears(model: nn.Module, batch_size_hint: int | None = None) -> int:
                 for _, _, c in linears
             )
         )
-        make = lambda lin: NativeLinear(lin, kernels, arena)  # noqa: E731
+        make = lambda lin: NativeLinear(lin, kernels, arena, onednn_twin)  # noqa: E731
     elif packed_linear_supported(torch.bfloat16):
         make = lambda lin: PackedLinear(lin, batch_size_hint)  # noqa: E731
     else:

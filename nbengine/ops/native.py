@@ -389,6 +389,11 @@ def kernels() -> NativeKernels | None:
         return None
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX bfloat16 tiles (``amx_bf16``; ops/linear.py's oneDNN twin)."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()

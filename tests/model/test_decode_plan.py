@@ -19,6 +19,7 @@ from nbengine.config import EngineConfig
 from nbengine.core.engine_core import EngineCore
 from nbengine.core.messages import EngineCoreRequest
 from nbengine.ops import native
+from nbengine.ops.linear import packed_linear_supported
 from nbengine.sampling_params import SamplingParams
 from nbengine.testing import make_tiny_model
 
@@ -29,6 +30,13 @@ pytestmark = [
         native.kernels() is None, reason=f"native kernels: {native.unavailable_reason()}"
     ),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _native_linears_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan runs the native kernels; so must the module path it is compared with (no
+    oneDNN twins for the larger decode steps, ops/linear.py)."""
+    monkeypatch.setenv("NBENGINE_LINEAR", "native")
 
 
 def _run(
@@ -189,3 +197,54 @@ def test_single_sequence_split_across_threads_matches(tmp_path: Path) -> None:
         results.append(got)
         core.shutdown()
     assert len(results[0]) == 12 and results[0] == results[1]
+
+
+@pytest.mark.skipif(
+    not packed_linear_supported(torch.bfloat16), reason="oneDNN bfloat16 prepacking unavailable"
+)
+def test_with_onednn_twins_large_decode_steps_take_the_module_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the linears carry oneDNN twins (AMX CPUs, ops/linear.py), the plan runs only
+    the decode steps small enough for the native kernels; larger ones use the twins."""
+    import nbengine.model.memory_plan as memory_plan
+    from nbengine.ops.linear import ONEDNN_MIN_ROWS, NativeLinear
+
+    monkeypatch.setenv("NBENGINE_LINEAR", "auto")
+    monkeypatch.setattr(memory_plan, "onednn_twin_supported", lambda dtype: True)
+    path = make_tiny_model(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=192,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+    )
+    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", max_num_seqs=24))
+    model = core.runner.model
+    rows_seen: list[tuple[int, bool]] = []
+    plan_logits = model.decode_logits
+
+    def decode_logits(input_ids: torch.Tensor, *args: object) -> torch.Tensor | None:
+        out = plan_logits(input_ids, *args)
+        rows_seen.append((input_ids.shape[0], out is not None))
+        return out
+
+    model.decode_logits = decode_logits
+    try:
+        assert model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
+        linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
+        assert linears and all(m.has_onednn_twin for m in linears)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        for i in range(20):
+            core.add_request(EngineCoreRequest(f"r{i}", [5 + i, 7, 9], params, time.time()))
+        while core.has_unfinished_requests():
+            core.step()
+        core.add_request(EngineCoreRequest("alone", [5, 7, 9], params, time.time()))
+        while core.has_unfinished_requests():
+            core.step()
+    finally:
+        core.shutdown()
+    assert (20, False) in rows_seen and (1, True) in rows_seen
+    assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)

@@ -138,3 +138,36 @@ def test_config_accepts_none_and_the_machine_reports_free_memory() -> None:
         CacheConfig(kv_cache_memory_gb=0)
     free = available_memory()
     assert free is None or free > 0
+
+
+def test_the_onednn_twin_is_counted_and_dropped_when_memory_is_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On AMX CPUs bfloat16 linears keep a oneDNN copy (ops/linear.py): the plan counts it,
+    shows it, and does without it when it would take over a quarter of free memory."""
+    import nbengine.model.memory_plan as memory_plan
+
+    monkeypatch.setattr(memory_plan, "onednn_twin_supported", lambda dtype: True)
+    path = make_tiny_model(tmp_path / "m", "llama", **TINY_LLAMA)
+    files = _weight_files(path)
+    cfg = json.loads((path / "config.json").read_text())
+    config = EngineConfig.from_kwargs(path, num_kv_blocks=16, **KW)
+
+    def plan(available: int, quantization: str | None = None) -> MemoryPlan:
+        config.model.quantization = quantization
+        return plan_memory(config, files, cfg, "LlamaForCausalLM", torch.bfloat16, 256, available)
+
+    roomy = plan(1 << 40)
+    # TINY_LLAMA: 2 layers of q, k, v, o (32 x 32, 16 x 32 twice, 32 x 32) and gate, up,
+    # down (64 x 32 each), plus lm_head (vocab x 32), in bfloat16.
+    per_layer = 32 * 32 * 2 + 16 * 32 * 2 + 3 * 64 * 32
+    assert roomy.onednn_twin_bytes == 2 * (2 * per_layer + cfg["vocab_size"] * 32)
+    assert roomy.total_bytes == (
+        roomy.weights_bytes + roomy.onednn_twin_bytes + roomy.buffers_bytes + roomy.kv_cache_bytes
+    )
+    assert "oneDNN copy of the linears" in roomy.summary()
+    # Enough for weights, tables and KV cache, but the twin would take over a quarter.
+    short = plan(int(3.9 * roomy.onednn_twin_bytes))
+    assert short.total_bytes < short.available_bytes  # type: ignore[operator]
+    assert short.onednn_twin_bytes == 0 and "oneDNN" not in short.summary()
+    assert plan(1 << 40, quantization="int8").onednn_twin_bytes == 0  # quantized: no twin

@@ -53,3 +53,37 @@ def test_pack_linears_falls_back_to_onednn(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_float32_is_never_packed() -> None:
     assert not packed_linear_supported(torch.float32)
+
+
+needs_native = pytest.mark.skipif(
+    native.kernels() is None, reason=f"native kernels: {native.unavailable_reason()}"
+)
+
+
+@needs_pack
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_twin_takes_the_products_of_many_rows(bias: bool) -> None:
+    """A NativeLinear with a oneDNN twin: below ONEDNN_MIN_ROWS rows the native kernel's
+    exact result, from there on oneDNN's, and both agree with F.linear."""
+    from nbengine.ops.linear import ONEDNN_MIN_ROWS, NativeLinear
+
+    kernels = native.kernels()
+    assert kernels is not None
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
+    plain = NativeLinear(lin, kernels)
+    twin = NativeLinear(lin, kernels, onednn_twin=True)
+    onednn = PackedLinear(lin)
+    assert twin.has_onednn_twin and not plain.has_onednn_twin
+    for rows in (1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 40):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        with torch.inference_mode():
+            got = twin(x)
+            want = (plain if rows < ONEDNN_MIN_ROWS else onednn)(x)
+            ref = F.linear(x, lin.weight, lin.bias).float()
+            logits = twin(x, torch.float32)  # lm_head asks for float32
+        assert torch.equal(got, want), rows
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(logits, ref, rtol=1e-2, atol=1e-2)
