@@ -6,12 +6,51 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from nbengine.sampling_params import SEED_MAX, SEED_MIN
 from nbengine.validation import is_int, is_number
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATION = ("int8", "int4", "int4-g32")  # ops/quant.py, docs/quantization.md
 _POLICIES = ("fcfs", "priority")
+
+
+def resolve_device(device: object) -> str:
+    """``ModelConfig.device`` resolved to a ``torch.device``-compatible string.
+
+    "auto" is "cuda" when torch sees a CUDA GPU, else "cpu"; "cpu", "cuda" and "cuda:N"
+    are kept (checked against the GPUs torch sees). Anything else raises a TypeError or
+    ValueError naming ``device``; nothing is allocated on the device here.
+    """
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string (auto, cpu, cuda, cuda:N), got {device!r}.")
+    value = device.strip().lower()
+    if value == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value == "cpu":
+        return "cpu"
+    kind, _, index = value.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"device must be one of auto, cpu, cuda, cuda:N; got {device!r}.")
+    if not torch.cuda.is_available():
+        why = (
+            "this torch build has no CUDA support"
+            if torch.version.cuda is None
+            else "torch sees no CUDA GPU"
+        )
+        raise ValueError(
+            f"device={device!r} asks for a CUDA GPU, but {why} (torch.cuda.is_available() "
+            'is False). Use device="cpu" or "auto".'
+        )
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(
+            f"device={device!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s) "
+            f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})."
+        )
+    return value
 
 
 def _check_types(
@@ -53,6 +92,9 @@ class ModelConfig:
     ``seed=`` to repeat a run.
     ``quantization`` ("int8", "int4", "int4-g32"; None: off) quantizes the weights of every
     linear layer when the model loads (weight-only; docs/quantization.md).
+    ``device`` (vLLM's name): "auto" (a CUDA GPU when torch sees one, else the CPU),
+    "cpu", "cuda" or "cuda:N"; resolved here by ``resolve_device``, so the config always
+    names the device the engine runs on (docs/architecture.md, "Devices").
     """
 
     model: str | Path | None = None
@@ -65,9 +107,11 @@ class ModelConfig:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     quantization: str | None = None
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _check_types(self, ints=("max_model_len", "max_logprobs"))
+        self.device = resolve_device(self.device)
         if self.max_logprobs < -1:
             raise ValueError(
                 f"max_logprobs must be -1 (no bound) or at least 0, got {self.max_logprobs}."
@@ -94,6 +138,11 @@ class ModelConfig:
             raise ValueError(
                 f"quantization must be one of {_QUANTIZATION} or None, got {self.quantization!r}."
             )
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on the CPU only (its kernels are "
+                f"CPU kernels), not on device={self.device!r}."
+            )
 
 
 @dataclass(slots=True)
@@ -102,20 +151,31 @@ class CacheConfig:
 
     ``num_kv_blocks`` None sizes the pool from ``kv_cache_memory_gb``; with that None too,
     the pool takes the memory that is free after the weights (model/memory_plan.py).
+    On a CUDA device the pool is sized instead by ``gpu_memory_utilization`` (vLLM's name
+    and meaning: the fraction of the GPU's total memory this engine may use for weights,
+    activations and KV cache; the KV cache takes what is left), unless ``num_kv_blocks``
+    is set; ``kv_cache_memory_gb`` applies to the CPU only.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float | None = 1.0
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _check_types(
             self,
             ints=("block_size", "num_kv_blocks"),
             bools=("enable_prefix_caching",),
-            numbers=("kv_cache_memory_gb",) if self.kv_cache_memory_gb is not None else (),
+            numbers=("gpu_memory_utilization",)
+            + (("kv_cache_memory_gb",) if self.kv_cache_memory_gb is not None else ()),
         )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                "gpu_memory_utilization must be in (0, 1] (a fraction of the GPU's memory), "
+                f"got {self.gpu_memory_utilization}."
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

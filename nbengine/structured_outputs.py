@@ -288,9 +288,20 @@ def bitmask_words(vocab_size: int) -> int:
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
-    """Set to -inf, in place, every logit of ``rows`` whose bit in ``bitmask`` is clear."""
-    n, vocab = len(rows), logits.shape[1]
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(n, -1)[:, :vocab].bool()
-    idx = torch.tensor(list(rows), dtype=torch.int64)
+def apply_bitmask(
+    logits: torch.Tensor, rows: Sequence[int] | torch.Tensor, bitmask: torch.Tensor
+) -> None:
+    """Set to -inf, in place, every logit of ``rows`` whose bit in ``bitmask`` is clear.
+
+    ``rows`` and ``bitmask`` may already be on the logits' device (the runner's device
+    path copies them there with the step's other inputs).
+    """
+    n, vocab = bitmask.shape[0], logits.shape[1]
+    bits = (
+        _BITS
+        if bitmask.device.type == "cpu"
+        else torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    )
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(n, -1)[:, :vocab].bool()
+    idx = rows if isinstance(rows, torch.Tensor) else torch.tensor(list(rows), dtype=torch.int64)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))

@@ -3,8 +3,8 @@
 Parts: a table of requests (id, status badge, tokens, TTFT, age, source: "notebook",
 "server", "chat", ... (nbengine/request_source.py), a Cancel button per
 live row), a "Cancel all" button, the KV cache usage (a progress bar with blocks used /
-total and the prefix-cache hit rate) and plotly ``FigureWidget`` charts of throughput
-and running/waiting counts over time.
+total and the prefix-cache hit rate, and the device it lives on with its memory) and
+plotly ``FigureWidget`` charts of throughput and running/waiting counts over time.
 
 Every widget is created once, on the caller's thread: the table is a fixed pool of
 rows that the UI updater binds to requests (showing, hiding and relabelling rows are
@@ -23,6 +23,7 @@ import ipywidgets as widgets
 
 from nbengine.dashboard.style import badge_html, constraint_tag_html, format_seconds
 from nbengine.dashboard.traits import TraitWriter
+from nbengine.model.device import describe_device
 from nbengine.request import RequestStatus
 from nbengine.request_source import request_source
 
@@ -115,7 +116,13 @@ class Dashboard(widgets.VBox):
         )
         self.kv_label = widgets.HTML("")
         self.kv_label.add_class("nbengine-kv")
-        kv = widgets.HBox([self.kv_bar, self.kv_label], layout=widgets.Layout(grid_gap="12px"))
+        # The device the KV cache lives on: its name and memory (model/device.py).
+        self.device_label = widgets.HTML("")
+        self.device_label.add_class("nbengine-device")
+        kv = widgets.HBox(
+            [self.kv_bar, self.kv_label, self.device_label],
+            layout=widgets.Layout(grid_gap="12px"),
+        )
         self.replicas = widgets.HTML("")  # health of each engine core (replica)
         self.replicas.add_class("nbengine-replicas")
         fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "requests"))
@@ -317,8 +324,10 @@ class DashboardView:
             name = "default model" if model is None else Path(str(model)).name
             # Shown in the title (with the counts): which model runs, in which dtype.
             self._model_label = f" · {html.escape(name)} · {html.escape(engine.dtype)}"
+            device = describe_device(engine.config.model.device)
         except Exception:  # the engine is gone: keep the last state shown
             return
+        self._set(self.dash.device_label, "value", f"on {html.escape(device)}")
         lines = []
         for r in replicas:
             alive = r["alive"] and self.monitor.engine_alive()

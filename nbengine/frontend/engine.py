@@ -118,7 +118,8 @@ class Engine:
             # Resolved once, here, so the config (and every replica) names the real dtype.
             from nbengine.model.loader import auto_dtype, read_hf_config
 
-            self.config.model.dtype = auto_dtype(read_hf_config(model_dir))
+            hf_config = read_hf_config(model_dir)
+            self.config.model.dtype = auto_dtype(hf_config, self.config.model.device)
         self.backend = backend
         self._client: CoreClient = make_core_client(backend, self.config, runner, backend_options)
         if backend == "inproc":  # in-process internals that tests reach into

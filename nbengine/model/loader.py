@@ -11,7 +11,9 @@ machine runs it well: a bfloat16 (or float16) checkpoint runs in bfloat16 where
 nbengine's native bfloat16 kernels are available (x86-64 with AVX-512 BF16), and in
 float32 elsewhere, where torch's bfloat16 CPU paths are slower than float32; float16 is
 never picked on a CPU (no fast float16 matrix products). docs/models.md, "dtype", and
-docs/benchmarks.md give the measured reasons.
+docs/benchmarks.md give the measured reasons. On a CUDA device "auto" is the checkpoint's
+own bfloat16 or float16; a float32 checkpoint runs in bfloat16 where the GPU supports
+it, else float16 (as vLLM does).
 """
 
 from __future__ import annotations
@@ -113,9 +115,13 @@ def resolve_model_dir(model: str | Path | None, revision: str | None = None) -> 
     return path
 
 
-def auto_dtype(hf_config: dict[str, Any]) -> str:
-    """What ``dtype="auto"`` means for a checkpoint on this machine (module docstring)."""
+def auto_dtype(hf_config: dict[str, Any], device: str = "cpu") -> str:
+    """What ``dtype="auto"`` means for a checkpoint on ``device`` (module docstring)."""
     declared = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if device != "cpu":
+        if declared in ("bfloat16", "float16"):
+            return str(declared)
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     if declared in ("bfloat16", "float16"):
         from nbengine.ops import native
 
@@ -124,10 +130,12 @@ def auto_dtype(hf_config: dict[str, Any]) -> str:
     return "float32"
 
 
-def resolve_dtype(dtype: str, hf_config: dict[str, Any] | None = None) -> torch.dtype:
+def resolve_dtype(
+    dtype: str, hf_config: dict[str, Any] | None = None, device: str = "cpu"
+) -> torch.dtype:
     """Map ModelConfig.dtype to a torch dtype ("auto": ``auto_dtype`` of the checkpoint)."""
     if dtype == "auto":
-        return _DTYPES[auto_dtype(hf_config or {})]
+        return _DTYPES[auto_dtype(hf_config or {}, device)]
     try:
         return _DTYPES[dtype]
     except KeyError:
@@ -337,7 +345,7 @@ def load_model(
     arch = architecture_of(cfg, path)
     check_hf_config(cfg, path)
     tokenizer = Tokenizer.from_dir(path)  # validates tokenizer.json early
-    dtype = resolve_dtype(config.dtype, cfg)
+    dtype = resolve_dtype(config.dtype, cfg, config.device)
     max_len = _max_model_len(cfg, arch, config.max_model_len)
     if before_weights is not None:
         before_weights(_weight_files(path), cfg, arch, dtype, max_len)
@@ -355,6 +363,8 @@ def load_model(
         if isinstance(module, RotaryEmbedding):
             # model.to(dtype) cast the rope tables too; they stay float32 for exactness.
             module.reset_tables()
+    if config.device != "cpu":
+        model.to(config.device)  # weights and RoPE tables; dtypes are kept
     model.eval()
     vocab = int(model.lm_head.out_features)
     return LoadedModel(

@@ -19,7 +19,12 @@ the model yet (the ``before_weights`` hook of ``load_model``). It estimates
   weights, keeping ``_HEADROOM`` of the free memory for activations and Python; never
   more blocks than ``max_num_seqs`` full-length sequences can use;
 
-and raises ``InsufficientMemoryError`` (a ``ModelLoadError``) with the numbers when
+On a CUDA device the budget is ``gpu_memory_utilization`` of the GPU's total memory
+(vLLM's meaning; it must be free when the engine starts), and the KV cache takes what is
+left of it after the weights, the RoPE tables and an estimate of the activations
+(``activation_bytes``), unless ``num_kv_blocks`` fixes it.
+
+It raises ``InsufficientMemoryError`` (a ``ModelLoadError``) with the numbers when
 weights + KV cache exceed the memory that is free now (``MemAvailable``, capped by a
 cgroup limit in a container). The plan is kept by the runner and shown in the engine's
 repr (docs/models.md, "Memory").
@@ -156,8 +161,11 @@ def weights_bytes(
     arch: str,
     dtype: torch.dtype,
     quantization: str | None = None,
+    packed: bool = True,
 ) -> int:
     """Bytes the model's parameters will take at ``dtype``.
+
+    ``packed``: the CPU's bfloat16 weight packing will run (False on a CUDA device).
 
     With ``quantization``, every linear layer's weight (a 2-D tensor that is not an
     embedding) at that format's bytes per weight (ops/quant.py), and a tied ``lm_head``
@@ -185,7 +193,7 @@ def weights_bytes(
         total += n * (per_weight if linear else elem)
     if tied and quantization is not None:
         total += embed * per_weight  # the tied head's own quantized copy
-    elif tied and dtype == torch.bfloat16:
+    elif tied and dtype == torch.bfloat16 and packed:
         total += embed * elem  # bfloat16 packing gives a tied lm_head its own copy (ops/linear.py)
     return int(total)
 
@@ -205,6 +213,7 @@ class MemoryPlan:
     quantization: str | None = None  # the weights' format (ops/quant.py); None: dtype
     # The oneDNN copy of the bfloat16 linear weights (ops/linear.py); 0: none.
     onednn_twin_bytes: int = 0
+    device: str = "cpu"  # on CUDA, available_bytes is gpu_memory_utilization's budget
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -225,7 +234,11 @@ class MemoryPlan:
     def summary(self) -> str:
         """One line: weights + KV cache (tokens) of the memory that was free."""
         free = (
-            "" if self.available_bytes is None else f" of {format_bytes(self.available_bytes)} free"
+            ""
+            if self.available_bytes is None
+            else f" of {format_bytes(self.available_bytes)} free"
+            if self.device == "cpu"
+            else f" of {format_bytes(self.available_bytes)} allowed on {self.device}"
         )
         rope = f" + RoPE tables {format_bytes(self.buffers_bytes)}" if self.buffers_bytes else ""
         if self.onednn_twin_bytes:
@@ -262,6 +275,22 @@ def _kv_dims(cfg: dict[str, Any], arch: str, max_len: int) -> tuple[int, int, in
     return d.num_layers, d.num_kv_heads, d.head_dim, table * (d.head_dim // 2)
 
 
+_CUDA_RESERVE = 256 << 20  # allocator fragmentation, cuBLAS workspaces
+
+
+def activation_bytes(config: EngineConfig, cfg: dict[str, Any], dtype: torch.dtype) -> int:
+    """An upper estimate of one step's activations on a GPU: a layer's live tensors for
+    ``max_num_batched_tokens`` tokens, and float32 logits with the sampler's temporaries
+    (sort, cumulative sums) for ``max_num_seqs`` rows."""
+    hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
+    inter = int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * hidden)
+    vocab = int(cfg.get("vocab_size") or 0)
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = config.scheduler.max_num_batched_tokens
+    rows = config.scheduler.max_num_seqs
+    return tokens * (8 * hidden + 3 * inter) * elem + rows * vocab * 32 + _CUDA_RESERVE
+
+
 def _advice(dtype: torch.dtype) -> str:
     tips = ["a smaller max_model_len", "num_kv_blocks= or a smaller kv_cache_memory_gb"]
     if dtype == torch.float32:
@@ -296,21 +325,41 @@ def plan_memory(
     dtype: torch.dtype,
     max_model_len: int,
     available: int | None = None,
+    device_memory: tuple[int, int] | None = None,
 ) -> MemoryPlan:
     """Size the KV cache and check that weights + KV cache fit in free memory.
 
     ``available`` None measures the free memory now (``available_memory()``).
+    On a CUDA device, ``device_memory`` is the GPU's ``(free, total)`` bytes (None:
+    measured now, ``torch.cuda.mem_get_info``); tests pass it to plan a GPU on any machine.
     Raises ``InsufficientMemoryError`` with the numbers when they cannot fit.
     """
-    if available is None:
-        available = available_memory()
+    device = config.model.device
+    cuda = device != "cpu"
     cache, sched = config.cache, config.scheduler
+    if cuda:
+        if device_memory is None:
+            from nbengine.model.device import cuda_memory
+
+            device_memory = cuda_memory(device)
+        free, total = device_memory
+        util = cache.gpu_memory_utilization
+        available = int(total * util)
+        if free < available:
+            raise InsufficientMemoryError(
+                f"gpu_memory_utilization={util} asks for {format_bytes(available)} of "
+                f"{device}'s {format_bytes(total)}, but only {format_bytes(free)} is free "
+                f"(other processes use {format_bytes(total - free)}). Lower "
+                "gpu_memory_utilization or free GPU memory (other engines: engine.shutdown())."
+            )
+    elif available is None:
+        available = available_memory()
     dtype_name = str(dtype).removeprefix("torch.")
     quantization = config.model.quantization
-    weights = weights_bytes(weight_files, cfg, arch, dtype, quantization)
+    weights = weights_bytes(weight_files, cfg, arch, dtype, quantization, packed=not cuda)
     layers, kv_heads, head_dim, rope = _kv_dims(cfg, arch, max_model_len)
     twin = 0
-    if quantization is None and onednn_twin_supported(dtype):
+    if quantization is None and not cuda and onednn_twin_supported(dtype):
         twin = linear_weights_bytes(weight_files, cfg, arch, dtype)
         if available is not None and twin > _TWIN_SHARE * available:
             logger.info(
@@ -325,8 +374,22 @@ def plan_memory(
     per_seq = math.ceil(max_model_len / cache.block_size)
     useful = sched.max_num_seqs * per_seq  # more blocks than this can never be used
 
+    if cuda:
+        fixed += activation_bytes(config, cfg, dtype)
     if cache.num_kv_blocks is not None:
         blocks = cache.num_kv_blocks
+    elif cuda:
+        assert available is not None
+        blocks = min(max(0, available - fixed) // per_block, useful)
+        if blocks < per_seq:
+            raise InsufficientMemoryError(
+                f"Not enough GPU memory for the KV cache of one {max_model_len}-token "
+                f"sequence: it needs {format_bytes(per_seq * per_block)}, and "
+                f"gpu_memory_utilization={cache.gpu_memory_utilization} allows "
+                f"{format_bytes(available)} on {device}, of which the weights, RoPE tables and "
+                f"activations take {format_bytes(fixed)}. Raise gpu_memory_utilization, or "
+                "try a smaller max_model_len or max_num_batched_tokens."
+            )
     elif cache.kv_cache_memory_gb is not None:
         blocks = min(max(1, int(cache.kv_cache_memory_gb * _GIB) // per_block), useful)
     elif available is None:
@@ -360,6 +423,7 @@ def plan_memory(
         available,
         quantization,
         twin,
+        device,
     )
     if available is not None and plan.total_bytes > available:
         raise InsufficientMemoryError(
@@ -368,7 +432,9 @@ def plan_memory(
             + (f" + RoPE tables {format_bytes(rope)}" if rope else "")
             + f" + KV cache {format_bytes(plan.kv_cache_bytes)} ({blocks} blocks "
             f"of {cache.block_size} tokens) = {format_bytes(plan.total_bytes)}, but only "
-            f"{format_bytes(available)} is free. " + _advice(dtype)
+            f"{format_bytes(available)} is "
+            + ("free. " if not cuda else f"allowed on {device} by gpu_memory_utilization. ")
+            + _advice(dtype)
         )
     logger.info("Memory plan: %s.", plan.summary())
     return plan

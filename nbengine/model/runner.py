@@ -13,6 +13,8 @@ SchedulerOutput invariants cheaply.
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,12 @@ from nbengine.core.scheduler_output import (
 from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.memory_plan import MemoryPlan, plan_memory
 from nbengine.model.protocol import CausalLM
+from nbengine.model.step_inputs import StagedInputs, StepStager
 from nbengine.model.tokenizer import Tokenizer
-from nbengine.ops.attention import ChunkSpec, build_attention_metadata
+from nbengine.ops.attention import ChunkSpec, StagedAttention, build_attention_metadata
 from nbengine.ops.linear import ONEDNN_MIN_ROWS, pack_linears
 from nbengine.ops.sampling import Sampler, topk_logprobs
+from nbengine.ops.staged_sampling import StagedSampling, logprob_pieces, unpack_logprobs
 from nbengine.outputs import PositionLogprobs
 
 logger = logging.getLogger(__name__)
@@ -45,11 +49,45 @@ def kv_block_bytes(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
-class ModelRunner:
-    """Owns the model, its paged KV cache and the sampler."""
+@dataclass(slots=True)
+class _Step:
+    """One step's flattened chunks as host lists (``ModelRunner._flatten``)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    specs: list[ChunkSpec] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_chunks: list[ScheduledChunk] = field(default_factory=list)
+    plp_rows: list[int] = field(default_factory=list)
+    plp_targets: list[int] = field(default_factory=list)
+    plp_ks: list[int] = field(default_factory=list)
+    plp_spans: list[tuple[str, bool, int]] = field(default_factory=list)  # (key, lead None, n)
+
+
+def uses_device_path(device: str, device_path: bool | None = None) -> bool:
+    """Whether a runner on ``device`` takes the device path (docs/architecture.md,
+    "Devices"): always off the CPU; on the CPU when asked (``device_path=True``) or, with
+    ``device_path`` None, when the environment sets ``NBENGINE_DEVICE_PATH=1``."""
+    if device != "cpu":
+        return True
+    if device_path is not None:
+        return device_path
+    return os.environ.get("NBENGINE_DEVICE_PATH", "0") == "1"
+
+
+class ModelRunner:
+    """Owns the model, its paged KV cache and the sampler.
+
+    ``device_path``: run the CPU through the device path (see ``uses_device_path``);
+    None decides from the device and ``NBENGINE_DEVICE_PATH``.
+    """
+
+    def __init__(self, config: EngineConfig, device_path: bool | None = None) -> None:
         self.config = config
+        self.device: str = config.model.device
+        # The device path: one staged input copy and one result copy per step, torch ops
+        # only (no native kernels, no oneDNN packing, no decode plans).
+        self.device_path: bool = uses_device_path(self.device, device_path)
         plans: list[MemoryPlan] = []
 
         def plan(
@@ -66,6 +104,7 @@ class ModelRunner:
             loaded.model is not None
             and loaded.dtype == torch.bfloat16
             and config.model.quantization is None
+            and not self.device_path
         ):
             # Native (or oneDNN) prepacked weights; on AMX CPUs with a oneDNN twin for
             # products of many rows, as the memory plan decided (ops/linear.py).
@@ -94,18 +133,31 @@ class ModelRunner:
         n_blocks = self.memory_plan.num_kv_blocks
         self.num_kv_blocks: int = n_blocks
         shape = (n_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        dev = self.device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=dev),
+                torch.zeros(shape, dtype=self.dtype, device=dev),
+            )
             for _ in range(m.num_layers)
         ]
+        if self.device_path and hasattr(m, "decode_plans_enabled"):
+            m.decode_plans_enabled = False  # native decode plans are the CPU default path's
+        # The attention windows of the model's layers (None: full attention).
+        self._windows: tuple[int | None, ...] = tuple(
+            set(getattr(m, "layer_windows", None) or (None,))
+        )
+        self._stager = StepStager(dev)
         assert config.model.seed is not None, "ModelConfig draws a seed when given none"
         self.sampler = Sampler(config.model.seed, config.model.logprobs_mode)
         logger.info(
-            "Loaded %s from %s (%s, max_model_len=%d); "
+            "Loaded %s from %s (%s on %s%s, max_model_len=%d); "
             "KV cache: %d blocks of %d tokens (%.1f MiB).",
             loaded.architecture,
             loaded.path,
             self.dtype,
+            self.device,
+            ", device path" if self.device_path else "",
             self.max_model_len,
             n_blocks,
             self.block_size,
@@ -117,19 +169,45 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if batch.is_empty:
             return out
+        step = self._flatten(batch)
+        if self.device_path:
+            return self._execute_on_device(step, out)
+        meta = build_attention_metadata(step.specs, self.block_size)
+        sample_rows, plp_rows = step.sample_rows, step.plp_rows
+        with torch.inference_mode():
+            input_ids = torch.tensor(step.ids, dtype=torch.int64)
+            input_pos = torch.tensor(step.positions, dtype=torch.int64)
+            logits = None
+            decode_logits = getattr(self.model, "decode_logits", None)
+            if decode_logits is not None and len(sample_rows) == meta.num_decodes == len(step.ids):
+                # Decode-only and every row samples: the model may do it all in one call.
+                logits = decode_logits(input_ids, input_pos, meta, self.kv_caches)
+            if logits is None:
+                hidden = self.model(input_ids, input_pos, meta, self.kv_caches)
+                rows = sample_rows + plp_rows
+                if not rows:  # only intermediate prefill chunks: nothing to sample
+                    return out
+                logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
+            n_s = len(sample_rows)
+            sample_chunks = step.sample_chunks
+            tokens, lps = self.sampler(logits[:n_s], [c.request for c in sample_chunks])
+            for c, tok, lp in zip(sample_chunks, tokens, lps):
+                out.sampled[c.request.request_id] = SampledToken(tok, lp)
+            if step.plp_spans:
+                plp = topk_logprobs(logits[n_s:].log_softmax(dim=-1), step.plp_targets, step.plp_ks)
+                self._prompt_logprobs(step, plp, out)
+        return out
+
+    def _flatten(self, batch: SchedulerOutput) -> _Step:
+        """The step's chunks flattened (single-token chunks first) into host lists."""
         chunks: list[ScheduledChunk] = [c for c in batch.chunks if c.num_tokens == 1]
         chunks += [c for c in batch.chunks if c.num_tokens != 1]
         bs = self.block_size
-
-        ids: list[int] = []
-        positions: list[int] = []
-        specs: list[ChunkSpec] = []
-        sample_rows: list[int] = []
-        sample_chunks: list[ScheduledChunk] = []
-        plp_rows: list[int] = []
-        plp_targets: list[int] = []
-        plp_ks: list[int] = []
-        plp_spans: list[tuple[str, bool, int]] = []  # (request key, leading None, count)
+        step = _Step()
+        # Bound once: this loop runs per chunk on every step of the CPU's default path too.
+        ids, positions, specs = step.ids, step.positions, step.specs
+        sample_rows, sample_chunks = step.sample_rows, step.sample_chunks
+        max_len = self.max_model_len
         row = 0
         for c in chunks:
             req = c.request
@@ -137,7 +215,7 @@ class ModelRunner:
             assert 0 < c.num_tokens and end <= req.num_tokens, "chunk beyond the request's tokens"
             assert c.sample == (end == req.num_tokens), "sample flag disagrees with chunk end"
             assert len(c.block_table) * bs >= end, "block table too short for the chunk"
-            assert end <= self.max_model_len, "chunk beyond max_model_len"
+            assert end <= max_len, "chunk beyond max_model_len"
             ids.extend(req.all_token_ids[c.start_pos : end])
             positions.extend(range(c.start_pos, end))
             specs.append(ChunkSpec(c.start_pos, c.num_tokens, c.block_table))
@@ -150,40 +228,87 @@ class ModelRunner:
                 last = min(end, req.num_prompt_tokens - 1)  # logits at p predict token p + 1
                 count = max(0, last - c.start_pos)
                 for p in range(c.start_pos, c.start_pos + count):
-                    plp_rows.append(row + p - c.start_pos)
-                    plp_targets.append(req.all_token_ids[p + 1])
-                    plp_ks.append(k)
-                plp_spans.append((req.request_id, c.start_pos == 0, count))
+                    step.plp_rows.append(row + p - c.start_pos)
+                    step.plp_targets.append(req.all_token_ids[p + 1])
+                    step.plp_ks.append(k)
+                step.plp_spans.append((req.request_id, c.start_pos == 0, count))
             row += c.num_tokens
+        return step
 
-        meta = build_attention_metadata(specs, bs)
+    @staticmethod
+    def _prompt_logprobs(step: _Step, plp: list[PositionLogprobs], out: ModelRunnerOutput) -> None:
+        """Hand each request its prompt logprobs (a leading None for its first token)."""
+        i = 0
+        for key, lead_none, count in step.plp_spans:
+            entries: list[PositionLogprobs | None] = [None] if lead_none else []
+            entries.extend(plp[i : i + count])
+            i += count
+            out.prompt_logprobs[key] = entries
+
+    # --- the device path (docs/architecture.md, "Devices") ---------------------------
+
+    def _execute_on_device(self, step: _Step, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """One step with one host-to-device copy of its inputs and one device-to-host copy
+        of its results; nothing else in between waits for the device."""
+        stager = self._stager
+        stager.reset()
+        h_ids, h_pos = stager.ints(step.ids), stager.ints(step.positions)
+        attention = StagedAttention(step.specs, self.block_size, self._windows, stager)
+        rows = step.sample_rows + step.plp_rows
+        h_rows = stager.ints(rows)
+        requests = [c.request for c in step.sample_chunks]
+        sampling = StagedSampling(self.sampler, requests, self.vocab_size, stager)
+        plp_ks = [self.vocab_size if k < 0 else k for k in step.plp_ks]
+        h_plp = stager.ints(step.plp_targets) if step.plp_rows else -1
+        views = self._to_device(stager)
         with torch.inference_mode():
-            input_ids = torch.tensor(ids, dtype=torch.int64)
-            input_pos = torch.tensor(positions, dtype=torch.int64)
-            logits = None
-            decode_logits = getattr(self.model, "decode_logits", None)
-            if decode_logits is not None and len(sample_rows) == meta.num_decodes == len(ids):
-                # Decode-only and every row samples: the model may do it all in one call.
-                logits = decode_logits(input_ids, input_pos, meta, self.kv_caches)
-            if logits is None:
-                hidden = self.model(input_ids, input_pos, meta, self.kv_caches)
-                rows = sample_rows + plp_rows
-                if not rows:  # only intermediate prefill chunks: nothing to sample
-                    return out
-                logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
-            n_s = len(sample_rows)
-            tokens, lps = self.sampler(logits[:n_s], [c.request for c in sample_chunks])
-            for c, tok, lp in zip(sample_chunks, tokens, lps):
-                out.sampled[c.request.request_id] = SampledToken(tok, lp)
-            if plp_spans:
-                plp = topk_logprobs(logits[n_s:].log_softmax(dim=-1), plp_targets, plp_ks)
-                i = 0
-                for key, lead_none, count in plp_spans:
-                    entries: list[PositionLogprobs | None] = [None] if lead_none else []
-                    entries.extend(plp[i : i + count])
-                    i += count
-                    out.prompt_logprobs[key] = entries
+            result = self._device_step(
+                views, h_ids, h_pos, attention, h_rows, len(rows), sampling, h_plp, plp_ks
+            )
+        if result is None:  # only intermediate prefill chunks: nothing to sample
+            return out
+        host = self._to_host(result).tolist()
+        tokens, lps, at = sampling.unpack(host, 0)
+        for c, tok, lp in zip(step.sample_chunks, tokens, lps):
+            out.sampled[c.request.request_id] = SampledToken(tok, lp)
+        if step.plp_spans:
+            plp, _ = unpack_logprobs(host, at, step.plp_targets, plp_ks)
+            self._prompt_logprobs(step, plp, out)
         return out
+
+    def _device_step(
+        self,
+        views: StagedInputs,
+        h_ids: int,
+        h_pos: int,
+        attention: StagedAttention,
+        h_rows: int,
+        n_rows: int,
+        sampling: StagedSampling,
+        h_plp: int,
+        plp_ks: list[int],
+    ) -> torch.Tensor | None:
+        """The forward pass and the sampler, on the device, from the staged ``views``;
+        returns the results packed into one float64 vector (None: nothing sampled)."""
+        meta = attention.build(views, self.device)
+        hidden = self.model(views[h_ids], views[h_pos], meta, self.kv_caches)
+        if not n_rows:
+            return None
+        logits = self.model.compute_logits(hidden[views[h_rows]])
+        n_s = sampling.n
+        pieces = sampling.sample(logits[:n_s], views)
+        if h_plp >= 0:
+            plp = logits[n_s:].log_softmax(dim=-1)
+            pieces += logprob_pieces(plp, views[h_plp], max(plp_ks))
+        return torch.cat([p.to(torch.float64).flatten() for p in pieces])
+
+    def _to_device(self, stager: StepStager) -> StagedInputs:
+        """The step's one host-to-device copy (``non_blocking`` from pinned memory)."""
+        return stager.to_device()
+
+    def _to_host(self, result: torch.Tensor) -> torch.Tensor:
+        """The step's one device-to-host copy (it waits for the step to finish)."""
+        return result.to("cpu")
 
     def shutdown(self) -> None:
         """Drop the model and the KV cache tensors."""

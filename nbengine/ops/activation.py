@@ -17,7 +17,7 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Fast path: one native pass for contiguous bfloat16 input, else the reference."""
-    if gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous():
+    if gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and gate_up.is_cpu:
         k = native.kernels()
         if k is not None:
             two_i = gate_up.shape[-1]

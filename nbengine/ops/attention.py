@@ -38,12 +38,18 @@ each token's keys at its window. A step whose every context fits in the window i
 attention.
 Logit soft-capping (``softcap=c``: scores become ``c * tanh(s / c)`` before the mask,
 Gemma 2) runs the same gathers through an explicit softmax instead of SDPA.
+
+On the runner's device path (a GPU, or the CPU with ``NBENGINE_DEVICE_PATH=1``;
+docs/architecture.md, "Devices") ``StagedAttention`` builds the same decode groups and
+prefill inputs from one staged copy of the step's lists, for every window the model
+uses, with masks and context slots computed on the device; the native kernel is off.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +106,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     num_decodes: int
     device: torch.device | str = "cpu"
+    # False on the runner's device path: attention runs in torch ops only (SDPA).
+    use_native: bool = True
     # SDPA-path inputs per attention window (None = full attention), built on first use.
     _decode_groups: dict[int | None, list[DecodeGroup]] = field(
         default_factory=dict, init=False, repr=False
@@ -259,6 +267,138 @@ def build_attention_metadata(
     return AttentionMetadata(chunks, block_size, slot_mapping, num_decodes, device)
 
 
+def step_slots(chunks: Sequence[ChunkSpec], block_size: int) -> list[int]:
+    """The flat cache slot of every new token of ``chunks``, in flattened order."""
+    slots: list[int] = []
+    for c in chunks:
+        table = c.block_table
+        for p in range(c.start_pos, c.start_pos + c.num_tokens):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    return slots
+
+
+class StagedAttention:
+    """``AttentionMetadata`` built from one staged copy (the runner's device path).
+
+    ``__init__`` runs on the host: it computes, as lists, the slot mapping, the decode
+    groups of every attention window the model uses and each prefill chunk's block
+    table, and stages them (``stage``: ``StepStager`` of model/step_inputs.py, or any
+    object with its ``ints`` method). ``build(views)`` then makes the metadata from the
+    copied views, computing masks and context slots on the device: no other transfer.
+    The native kernels are off on this path (``use_native=False``).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[ChunkSpec],
+        block_size: int,
+        windows: Sequence[int | None],
+        stage: _IntStager,
+    ) -> None:
+        num_decodes = 0
+        for c in chunks:
+            if c.num_tokens != 1:
+                break
+            num_decodes += 1
+        assert all(c.num_tokens > 1 for c in chunks[num_decodes:]), "decodes must come first"
+        self.chunks, self.block_size, self.num_decodes = chunks, block_size, num_decodes
+        self.slots = stage.ints(step_slots(chunks, block_size))
+        max_len = max((c.start_pos + c.num_tokens for c in chunks), default=0)
+        # The windows this step's layers effectively use (AttentionMetadata.effective_window).
+        self.windows = sorted(
+            {None if w is None or max_len <= w else w for w in windows},
+            key=lambda w: -1 if w is None else w,
+        )
+        self.groups: dict[int | None, list[tuple[int, int, int, int, int]]] = {}
+        for w in self.windows:
+            self.groups[w] = [
+                (
+                    stage.ints(g.rows),
+                    stage.ints([b for row in g.tables for b in row]),
+                    stage.ints(g.lo),
+                    stage.ints(g.hi),
+                    len(g.tables[0]),
+                )
+                for g in _decode_group_lists(chunks[:num_decodes], block_size, w)
+            ]
+        self.tables = [stage.ints(list(c.block_table)) for c in chunks[num_decodes:]]
+
+    def build(self, views: _Views, device: torch.device | str) -> AttentionMetadata:
+        """The step's metadata over the copied ``views`` (every per-window input built)."""
+        bs = self.block_size
+        meta = AttentionMetadata(
+            self.chunks, bs, views[self.slots], self.num_decodes, device, use_native=False
+        )
+        tables = [views[h] for h in self.tables]
+        for w in self.windows:
+            meta._decode_groups[w] = [
+                _decode_group(views[rows], views[flat].view(-1, nb), views[lo], views[hi], bs, w)
+                for rows, flat, lo, hi, nb in self.groups[w]
+            ]
+            meta._prefills[w] = _prefill_metas(self.chunks, self.num_decodes, bs, device, w, tables)
+        return meta
+
+
+class _IntStager(Protocol):
+    def ints(self, values: Sequence[int]) -> int: ...
+
+
+class _Views(Protocol):
+    def __getitem__(self, handle: int) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class _DecodeGroupLists:
+    """One decode group as host lists (``_decode_group_lists``)."""
+
+    rows: list[int]
+    tables: list[list[int]]  # padded to the group's block count
+    lo: list[int]  # first visible key, counted from the row's first gathered block
+    hi: list[int]  # one past the last visible key, same origin
+
+
+def _decode_group_lists(
+    decodes: Sequence[ChunkSpec], block_size: int, window: int | None
+) -> list[_DecodeGroupLists]:
+    """The decode groups of ``_decode_groups`` as host lists."""
+    if not decodes:
+        return []
+    ends = [c.start_pos + 1 for c in decodes]  # keys [first, end) are visible
+    firsts = [0 if window is None else max(0, e - window) for e in ends]
+    first_blks = [f // block_size for f in firsts]
+    n_blks = [(e + block_size - 1) // block_size - fb for e, fb in zip(ends, first_blks)]
+    tables = [list(c.block_table[fb : fb + nb]) for c, fb, nb in zip(decodes, first_blks, n_blks)]
+    out: list[_DecodeGroupLists] = []
+    for rows in _length_groups(n_blks):
+        nb = max(n_blks[i] for i in rows)
+        out.append(
+            _DecodeGroupLists(
+                rows,
+                [tables[i] + [0] * (nb - len(tables[i])) for i in rows],
+                # Positions counted from each row's first gathered block.
+                [firsts[i] - first_blks[i] * block_size for i in rows],
+                [ends[i] - first_blks[i] * block_size for i in rows],
+            )
+        )
+    return out
+
+
+def _decode_group(
+    rows: torch.Tensor,
+    block_tables: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    block_size: int,
+    window: int | None,
+) -> DecodeGroup:
+    """A ``DecodeGroup`` from its tensors; the mask is computed where they are."""
+    pos = torch.arange(block_tables.shape[1] * block_size, dtype=torch.int64, device=hi.device)
+    mask = pos[None, :] < hi[:, None]
+    if window is not None:
+        mask &= pos[None, :] >= lo[:, None]
+    return DecodeGroup(rows=rows, block_tables=block_tables, mask=mask[:, None, None, :])
+
+
 def _decode_groups(
     decodes: Sequence[ChunkSpec],
     block_size: int,
@@ -271,32 +411,15 @@ def _decode_groups(
     key, and the mask also hides the keys of that block older than the window.
     """
     groups: list[DecodeGroup] = []
-    if not decodes:
-        return groups
-    ends = [c.start_pos + 1 for c in decodes]  # keys [first, end) are visible
-    firsts = [0 if window is None else max(0, e - window) for e in ends]
-    first_blks = [f // block_size for f in firsts]
-    n_blks = [(e + block_size - 1) // block_size - fb for e, fb in zip(ends, first_blks)]
-    tables = [list(c.block_table[fb : fb + nb]) for c, fb, nb in zip(decodes, first_blks, n_blks)]
-    for rows in _length_groups(n_blks):
-        nb = max(n_blks[i] for i in rows)
-        padded = [tables[i] + [0] * (nb - len(tables[i])) for i in rows]
-        # Positions counted from each row's first gathered block.
-        lo = torch.tensor(
-            [firsts[i] - first_blks[i] * block_size for i in rows], dtype=torch.int64, device=device
-        )
-        hi = torch.tensor(
-            [ends[i] - first_blks[i] * block_size for i in rows], dtype=torch.int64, device=device
-        )
-        pos = torch.arange(nb * block_size, dtype=torch.int64, device=device)
-        mask = pos[None, :] < hi[:, None]
-        if window is not None:
-            mask &= pos[None, :] >= lo[:, None]
+    for g in _decode_group_lists(decodes, block_size, window):
         groups.append(
-            DecodeGroup(
-                rows=torch.tensor(rows, dtype=torch.int64, device=device),
-                block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
-                mask=mask[:, None, None, :],
+            _decode_group(
+                torch.tensor(g.rows, dtype=torch.int64, device=device),
+                torch.tensor(g.tables, dtype=torch.int64, device=device),
+                torch.tensor(g.lo, dtype=torch.int64, device=device),
+                torch.tensor(g.hi, dtype=torch.int64, device=device),
+                block_size,
+                window,
             )
         )
     return groups
@@ -308,19 +431,28 @@ def _prefill_metas(
     block_size: int,
     device: torch.device | str,
     window: int | None = None,
+    tables: Sequence[torch.Tensor] | None = None,
 ) -> list[PrefillMeta]:
     """Per prefill chunk: where its queries are and, over a cached prefix, the slots of its
-    context and the causal (and, with a ``window``, sliding) mask over it."""
+    context and the causal (and, with a ``window``, sliding) mask over it.
+
+    ``tables``: each prefill chunk's block table already on ``device`` (the runner's
+    device path stages them); None builds them from the chunks' lists.
+    """
     prefills: list[PrefillMeta] = []
     q_start = num_decodes
-    for c in chunks[num_decodes:]:
+    for j, c in enumerate(chunks[num_decodes:]):
         ctx_slots = mask = None
         total = c.start_pos + c.num_tokens
         windowed = window is not None and total > window
         # The oldest key any query of the chunk sees.
         first = max(0, c.start_pos - window + 1) if window is not None else 0
         if c.start_pos > 0:
-            table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
+            table = (
+                torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
+                if tables is None
+                else tables[j]
+            )
             ctx_slots = _slots(
                 table, torch.arange(first, total, dtype=torch.int64, device=device), block_size
             )
@@ -372,7 +504,7 @@ def paged_attention(
     n_tokens, n_heads, hd = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
-    out = torch.empty(n_tokens, n_heads, hd, dtype=q.dtype)
+    out = torch.empty(n_tokens, n_heads, hd, dtype=q.dtype, device=q.device)
     flat_k = k_cache.view(-1, n_kv, hd)
     flat_v = v_cache.view(-1, n_kv, hd)
 
@@ -473,7 +605,7 @@ def _native_attention(
     q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
 ) -> native.NativeKernels | None:
     """The native kernels if they can run this step's attention, else None."""
-    if meta.token_block_tables is None or q.shape[0] == 0:
+    if not meta.use_native or q.shape[0] == 0 or meta.token_block_tables is None:
         return None
     if not (
         native.is_bf16_rows(q, k_cache) and k_cache.is_contiguous() and q.stride(1) == q.shape[2]

@@ -55,7 +55,7 @@ def apply_request_processors(logits: torch.Tensor, requests: Sequence[Request]) 
     for i, req in enumerate(requests):
         p = req.sampling_params
         if p.allowed_token_ids:
-            keep = torch.full((vocab,), True)
+            keep = torch.full((vocab,), True, device=logits.device)
             keep[[t for t in p.allowed_token_ids if t < vocab]] = False
             logits[i].masked_fill_(keep, float("-inf"))
         if p.bad_words_token_ids:

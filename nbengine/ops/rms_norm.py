@@ -17,7 +17,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def _native_for(x: torch.Tensor, weight: torch.Tensor) -> native.NativeKernels | None:
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_contiguous():
+    if (
+        x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or not x.is_contiguous()
+        or x.device.type != "cpu"
+    ):
         return None
     return native.kernels()
 

@@ -305,6 +305,7 @@ class RotaryEmbedding(nn.Module):
             return _rotate_partial(x, cos, sin, self.rotary_dim)
         if (
             x.dtype == torch.bfloat16
+            and x.is_cpu
             and x.stride(2) == 1
             and x.stride(1) == x.shape[2]
             and positions.dtype == torch.int64

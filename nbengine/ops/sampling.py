@@ -67,20 +67,33 @@ def topk_logprobs(
     chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
     top_vals_l = top_vals.tolist() if top_vals is not None else [[]] * m
     top_ids_l = top_ids.tolist() if top_ids is not None else [[]] * m
+    return build_position_logprobs(token_ids, chosen_l, ranks_l, top_vals_l, top_ids_l, ks)
+
+
+def build_position_logprobs(
+    token_ids: Sequence[int],
+    chosen: Sequence[float],
+    ranks: Sequence[int | float],
+    top_vals: Sequence[Sequence[float]],
+    top_ids: Sequence[Sequence[int | float]],
+    ks: Sequence[int],
+) -> list[PositionLogprobs]:
+    """Per row: ``{chosen token: (logprob, rank)}`` then the row's top-``k`` entries (host
+    lists, as ``topk_logprobs`` computes them; ``ks`` already resolved from -1)."""
     out: list[PositionLogprobs] = []
-    for i in range(m):
-        d: PositionLogprobs = {int(token_ids[i]): Logprob(chosen_l[i], ranks_l[i])}
+    for i in range(len(token_ids)):
+        d: PositionLogprobs = {int(token_ids[i]): Logprob(chosen[i], int(ranks[i]))}
         for r in range(ks[i]):
-            t = top_ids_l[i][r]
+            t = int(top_ids[i][r])
             if t not in d:
-                d[t] = Logprob(top_vals_l[i][r], r + 1)
+                d[t] = Logprob(top_vals[i][r], r + 1)
         out.append(d)
     return out
 
 
 def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Steps 2-3 of the module docstring, in place on ``logits [N, V]`` (float32)."""
-    vocab = logits.shape[1]
+    vocab, dev = logits.shape[1], logits.device
     pen_rows: list[int] = []
     for i, req in enumerate(requests):
         p = req.sampling_params
@@ -94,31 +107,39 @@ def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) 
         if p.logit_bias:
             items = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
             if items:
-                idx = torch.tensor([t for t, _ in items], dtype=torch.int64)
+                idx = torch.tensor([t for t, _ in items], dtype=torch.int64, device=dev)
                 logits[i].index_add_(
-                    0, idx, torch.tensor([b for _, b in items], dtype=logits.dtype)
+                    0, idx, torch.tensor([b for _, b in items], dtype=logits.dtype, device=dev)
                 )
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
             pen_rows.append(i)
     if not pen_rows:
         return logits
     n = len(pen_rows)
-    out_counts = torch.zeros(n, vocab, dtype=logits.dtype)
-    seen = torch.zeros(n, vocab, dtype=torch.bool)
+    out_counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
     for j, i in enumerate(pen_rows):
         req = requests[i]
         if req.output_token_ids:
-            out_ids = torch.tensor(req.output_token_ids, dtype=torch.int64).clamp_(max=vocab - 1)
-            out_counts[j].index_add_(0, out_ids, torch.ones(len(out_ids), dtype=logits.dtype))
+            out_ids = torch.tensor(req.output_token_ids, dtype=torch.int64, device=dev)
+            out_ids.clamp_(max=vocab - 1)
+            ones = torch.ones(len(out_ids), dtype=logits.dtype, device=dev)
+            out_counts[j].index_add_(0, out_ids, ones)
         if req.sampling_params.repetition_penalty != 1.0:
-            all_ids = torch.tensor(req.all_token_ids, dtype=torch.int64)
+            all_ids = torch.tensor(req.all_token_ids, dtype=torch.int64, device=dev)
             seen[j, all_ids[all_ids < vocab]] = True
-    rows = torch.tensor(pen_rows, dtype=torch.int64)
+    rows = torch.tensor(pen_rows, dtype=torch.int64, device=dev)
     sub = logits[rows]
     params = [requests[i].sampling_params for i in pen_rows]
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[:, None]
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=dev)[
+        :, None
+    ]
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)[
+        :, None
+    ]
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)[
+        :, None
+    ]
     penalised = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalised, sub)
     sub = sub - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
@@ -224,7 +245,12 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
     """``logits.argmax(dim=-1).tolist()``; natively for float32 rows when the kernels are
     loaded (torch would wake a second OpenMP thread for a 50k-entry row, which costs
     more than the scan)."""
-    if logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous():
+    if (
+        logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.is_contiguous()
+        and logits.device.type == "cpu"
+    ):
         k = native.loaded()  # only where a bfloat16 model already built the kernels
         if k is not None:
             return k.argmax(logits)
@@ -237,6 +263,26 @@ class Sampler:
     def __init__(self, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.logprobs_mode = logprobs_mode  # config.LOGPROBS_MODES
+
+    def draw_uniforms(self, requests: Sequence[Request], rand: Sequence[int]) -> torch.Tensor:
+        """One float64 uniform (on the host) per row in ``rand``: a seeded request's from its
+        own generator, the others from the sampler's, in row order (module docstring)."""
+        params = [r.sampling_params for r in requests]
+        uniforms = torch.empty(len(rand), dtype=torch.float64)
+        unseeded = [j for j, i in enumerate(rand) if params[i].seed is None]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(
+                len(unseeded), dtype=torch.float64, generator=self.generator
+            )
+        for j, i in enumerate(rand):
+            req = requests[i]
+            seed = req.sampling_params.seed
+            if seed is None:
+                continue
+            if req.generator is None:
+                req.generator = torch.Generator().manual_seed(seed)
+            uniforms[j] = torch.rand(1, dtype=torch.float64, generator=req.generator)[0]
+        return uniforms
 
     def __call__(
         self, logits: torch.Tensor, requests: Sequence[Request]
@@ -281,20 +327,7 @@ class Sampler:
             tokens = x.argmax(dim=-1).tolist()
             rand = [i for i, p in enumerate(params) if not p.greedy]
             if rand:
-                uniforms = torch.empty(len(rand), dtype=torch.float64)
-                unseeded = [j for j, i in enumerate(rand) if params[i].seed is None]
-                if unseeded:
-                    uniforms[unseeded] = torch.rand(
-                        len(unseeded), dtype=torch.float64, generator=self.generator
-                    )
-                for j, i in enumerate(rand):
-                    req = requests[i]
-                    seed = req.sampling_params.seed
-                    if seed is None:
-                        continue
-                    if req.generator is None:
-                        req.generator = torch.Generator().manual_seed(seed)
-                    uniforms[j] = torch.rand(1, dtype=torch.float64, generator=req.generator)[0]
+                uniforms = self.draw_uniforms(requests, rand)
                 rows = torch.tensor(rand, dtype=torch.int64)
                 picked = _sample_rows(x[rows], [params[i] for i in rand], uniforms.to(x.dtype))
                 for j, i in enumerate(rand):

@@ -78,6 +78,9 @@ def test_kv_usage_and_charts_show_engine_activity(engine: nb.Engine) -> None:
     assert re.search(r"\d+ / 1024 blocks", dash.kv_label.value)
     assert dash.kv_bar.max == 1024
     assert "prefix-cache hit rate" in dash.kv_label.value
+    # Next to the KV cache: the device it lives on, with its memory.
+    wait_until(lambda: dash.device_label.value != "", what="the device label")
+    assert re.fullmatch(r"on cpu · \d+ cores( · [\d.]+ [GMT]iB memory)?", dash.device_label.value)
     wait_until(lambda: len(dash.figure.data[2].x) > 0, what="the charts to fill")
     names = [t.name for t in dash.figure.data]
     assert names == ["generated tok/s", "prompt tok/s", "running", "waiting"]
