@@ -56,6 +56,8 @@ def test_float32_gguf_decodes_as_nbengine_and_transformers(model_dir: Path) -> N
     driver = LlamaCppDriver(model_dir, "float32", n_batch=8, n_seq_max=2)
     check = driver.info["check"]
     assert check["pass"] and check["leading_tokens_agreeing"] == [CHECK_TOKENS] * 4
+    assert min(check["first_logits_correlation"]) > 0.9999
+    assert check["first_token_rank_in_reference"] == [0, 0, 0, 0]
     wl = Workload("W", [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [9, 10], [11, 12, 13]], [5, 3, 4])
     res = driver.run(wl)
     assert res.error is None and res.output_tokens == 12 and res.prompt_tokens == 15
