@@ -191,11 +191,18 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     import json
 
     from nbengine.bench import BenchConfig, format_report, run_bench
+    from nbengine.bench.config import peer_engines
 
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    skipped: dict[str, str] = {}
+    if args.peers:
+        engines, skipped = peer_engines()
+        for e, why in skipped.items():
+            print(f"--peers: skipping {e}: {why}", file=sys.stderr, flush=True)
     config = BenchConfig(
         model_dir=args.model,
         workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
-        engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
+        engines=engines,
         dtype=args.dtype,
         quantization=args.quantization,
         scale=0.1 if args.quick else args.scale,
@@ -205,6 +212,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         omp_wait_policy=args.omp_wait_policy,
     )
     report = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.peers:
+        report["config"]["skipped_engines"] = skipped
     print(format_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -365,8 +374,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--engines",
         default="nbengine,hf_static,hf_cb",
-        help="comma-separated: nbengine,hf_static,hf_cb,ct2 (ct2: "
-        "CTranslate2, needs pip install ctranslate2)",
+        help="comma-separated: nbengine,hf_static,hf_cb,ct2,llamacpp (ct2: "
+        "CTranslate2, llamacpp: llama.cpp; both in the bench extra)",
+    )
+    bench.add_argument(
+        "--peers",
+        action="store_true",
+        help="nbengine, the transformers engines, ct2 and llamacpp (those installed; "
+        "the skipped ones are named), instead of --engines",
     )
     bench.add_argument(
         "--dtype",

@@ -6,7 +6,9 @@ The package, one concept per module (docs/benchmarks.md describes the method):
 - ``workloads``: the bench model (random weights in SmolLM2-135M's shape) and the seeded
   workloads W1, W2, W3;
 - ``engines``: the engines under test (nbengine, transformers static ``generate``,
-  transformers continuous batching), one driver each;
+  transformers continuous batching, CTranslate2), one driver each;
+- ``llamacpp``: the llama.cpp peer (GGUF conversion, the check against transformers, the
+  batched driver);
 - ``machine``: what the machine can do (bandwidth, matmul FLOP/s) and a workload's bound;
 - ``runner``: ``run_bench``, which runs them all and assembles the report;
 - ``report``: per-run figures, medians, targets, ``format_report``;

@@ -8,11 +8,36 @@ from typing import Any
 
 from nbengine.bench.workloads import ALL_WORKLOADS
 
-__all__ = ["ALL_ENGINES", "BenchConfig", "DEFAULT_ENGINES"]
+__all__ = ["ALL_ENGINES", "BenchConfig", "DEFAULT_ENGINES", "PEER_ENGINES", "peer_engines"]
 
-# ct2: CTranslate2, an optional peer (pip install ctranslate2), not run by default.
-ALL_ENGINES = ("nbengine", "hf_static", "hf_cb", "ct2")
+# ct2: CTranslate2, an optional peer (pip install ctranslate2), not run by default;
+# llamacpp: llama.cpp through llama-cpp-python (built from source by the bench extra).
+ALL_ENGINES = ("nbengine", "hf_static", "hf_cb", "ct2", "llamacpp")
 DEFAULT_ENGINES = ("nbengine", "hf_static", "hf_cb")
+# `nbengine bench --peers`: nbengine and every peer (those whose package is installed).
+PEER_ENGINES = ALL_ENGINES
+# The Python package each optional engine needs.
+_ENGINE_PACKAGES = {
+    "hf_static": "transformers",
+    "hf_cb": "transformers",
+    "ct2": "ctranslate2",
+    "llamacpp": "llama_cpp",
+}
+
+
+def peer_engines() -> tuple[tuple[str, ...], dict[str, str]]:
+    """The engines of ``--peers`` installed here, and the skipped ones with the reason."""
+    import importlib.util
+
+    run: list[str] = []
+    skipped: dict[str, str] = {}
+    for e in PEER_ENGINES:
+        pkg = _ENGINE_PACKAGES.get(e)
+        if pkg is not None and importlib.util.find_spec(pkg) is None:
+            skipped[e] = f"{pkg} is not installed (pip install -e '.[bench]')"
+        else:
+            run.append(e)
+    return tuple(run), skipped
 
 
 @dataclass(slots=True)

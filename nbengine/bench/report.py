@@ -224,6 +224,12 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{_f(r['itl_p50_ms'], '{:.2f}'):>9}{_f(r['itl_p99_ms'], '{:.2f}'):>9}"
                 f"{_of_bound(frac):>9}"
             )
+            if "gguf_type" in r:  # llama.cpp: which weights, and what was turned off
+                off = "off" if not r.get("use_extra_bufts") else "on"
+                lines.append(
+                    f"{'':<35}{r['gguf_type']} GGUF, extra buffer types {off}, "
+                    f"{r.get('n_seq_max')} sequences x {r.get('n_batch')} batch tokens"
+                )
             if "prefix_cache_hit_rate" in r and w == "W3":
                 lines.append(
                     f"{'':<35}prefix-cache hit rate {100 * r['prefix_cache_hit_rate']:.0f}%"
@@ -256,6 +262,8 @@ def format_report(report: dict[str, Any]) -> str:
             )
     for e, msg in report.get("engine_errors", {}).items():
         lines.append(f"{e} did not run: {msg}")
+    for e, why in cfg.get("skipped_engines", {}).items():
+        lines.append(f"{e} skipped (--peers): {why}")
     lines.append("")
     lines.append("targets:")
     for name, t in report["targets"].items():

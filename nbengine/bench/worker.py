@@ -85,6 +85,16 @@ def _driver(job: Job) -> Any:
         return CT2Driver(
             path, job.dtype, job.static_batch_size, job.engine_kwargs.get("quantization")
         )
+    if job.engine == "llamacpp":
+        from nbengine.bench.llamacpp import LlamaCppDriver
+
+        return LlamaCppDriver(
+            path,
+            job.dtype,
+            job.engine_kwargs.get("quantization"),
+            n_batch=job.engine_kwargs["max_num_batched_tokens"],
+            n_seq_max=job.engine_kwargs["max_num_seqs"],
+        )
     raise ValueError(f"unknown engine {job.engine!r}")
 
 
