@@ -37,6 +37,17 @@ SHAPE: dict[str, Any] = dict(
 )
 
 
+# Gemma 2 with the features that change the attention path: a sliding window, attention
+# and final logit soft-capping, and its own query scale (shared by the parity suites).
+GEMMA2_WINDOW_SOFTCAP: dict[str, object] = {
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 24,
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 3.0,
+    "tie_word_embeddings": False,
+}
+
+
 def make_hf_model(path: Path, arch: str, seed: int = 0, **config: Any) -> Path:
     """Write a random ``arch`` model of ``SHAPE`` (overridden by ``config``) into ``path``."""
     import transformers

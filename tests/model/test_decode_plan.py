@@ -39,6 +39,16 @@ def _native_linears_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NBENGINE_LINEAR", "native")
 
 
+# A model small enough for tests whose every shape the decode plan's kernels take.
+PLAN_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=192,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+)
+
+
 def _run(
     path: Path, plans: bool, threads: int, quantization: str | None = None
 ) -> tuple[dict[str, list[tuple[int, float]]], bool]:
@@ -167,16 +177,7 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
 def test_single_sequence_split_across_threads_matches(tmp_path: Path) -> None:
     # One sequence on two threads takes the kernel's weight-splitting path; the chooser
     # tries both thread counts first, so both paths produce tokens here.
-    path = make_tiny_model(
-        tmp_path / "m",
-        "llama",
-        hidden_size=128,
-        intermediate_size=192,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        weight_std=0.05,
-    )
+    path = make_tiny_model(tmp_path / "m", "llama", weight_std=0.05, **PLAN_SHAPE)
     results = []
     for plans in (True, False):
         torch.set_num_threads(2)
@@ -212,15 +213,7 @@ def test_with_onednn_twins_large_decode_steps_take_the_module_path(
 
     monkeypatch.setenv("NBENGINE_LINEAR", "auto")
     monkeypatch.setattr(memory_plan, "onednn_twin_supported", lambda dtype: True)
-    path = make_tiny_model(
-        tmp_path / "m",
-        "llama",
-        hidden_size=128,
-        intermediate_size=192,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-    )
+    path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
     core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", max_num_seqs=24))
     model = core.runner.model
     rows_seen: list[tuple[int, bool]] = []

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_tiny import make_hf_model
+from hf_tiny import GEMMA2_WINDOW_SOFTCAP, make_hf_model
 from nbe_driver import Driver
 from torch.overrides import TorchFunctionMode
 
@@ -46,13 +46,7 @@ GREEDY = SamplingParams(temperature=0.0)
 HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": (
         "gemma2",
-        {
-            "sliding_window": 8,
-            "query_pre_attn_scalar": 24,
-            "attn_logit_softcapping": 2.0,
-            "final_logit_softcapping": 3.0,
-            "tie_word_embeddings": False,
-        },
+        GEMMA2_WINDOW_SOFTCAP,
     ),
     "gemma3": ("gemma3", {"sliding_window": 8, "query_pre_attn_scalar": 24}),
     "phi3": ("phi3", {"partial_rotary_factor": 0.75, "sliding_window": 8}),

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_tiny import make_hf_model
+from hf_tiny import GEMMA2_WINDOW_SOFTCAP, make_hf_model
 from nbe_driver import Driver
 
 from nbengine.config import EngineConfig
@@ -46,13 +46,7 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "llama-dynamic-rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, {}),
     "gemma2": (
         "gemma2",
-        {
-            "sliding_window": 8,
-            "query_pre_attn_scalar": 24,
-            "attn_logit_softcapping": 2.0,
-            "final_logit_softcapping": 3.0,
-            "tie_word_embeddings": False,
-        },
+        GEMMA2_WINDOW_SOFTCAP,
         {},
     ),
     "gemma3": (
