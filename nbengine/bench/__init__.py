@@ -12,12 +12,14 @@ The package, one concept per module (docs/benchmarks.md describes the method):
 - ``machine``: what the machine can do (bandwidth, matmul FLOP/s) and a workload's bound;
 - ``runner``: ``run_bench``, which runs them all and assembles the report;
 - ``report``: per-run figures, medians, targets, ``format_report``;
+- ``chart``: ``peers_figure``, the plotly bar chart of engines and precisions;
 - ``scale_out``: the Ray data-parallel measurements behind docs/scale-out.md.
 
 ``run_bench(BenchConfig(...))`` (or ``run_bench(model_dir=..., scale=0.1)``) returns one
 JSON-able dict; ``format_report()`` renders it as a table.
 """
 
+from nbengine.bench.chart import peers_figure
 from nbengine.bench.config import ALL_ENGINES, BenchConfig
 from nbengine.bench.report import TARGETS, format_report
 from nbengine.bench.runner import run_bench
@@ -32,5 +34,6 @@ __all__ = [
     "bench_model_dir",
     "format_report",
     "make_workloads",
+    "peers_figure",
     "run_bench",
 ]
