@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -134,6 +136,18 @@ def test_result_timeout_raises_and_request_keeps_running(engine: nb.Engine) -> N
     assert not h.done()
     final = h.cancel()
     assert final is not None and final.outputs[0].finish_reason == "abort"
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt, as in a notebook or a terminal: a shell that starts
+    pytest as a background job hands it SIGINT ignored, and then ``interrupt_main`` would
+    do nothing."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _interrupt_soon(delay: float = 0.05) -> threading.Timer:
