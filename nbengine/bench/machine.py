@@ -24,15 +24,24 @@ from typing import Any
 import torch
 
 
-def _best_time(fn: Any, reps: int, warmup: int = 1) -> float:
+def _times(fn: Any, reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones, sorted."""
     for _ in range(warmup):
         fn()
-    best = math.inf
+    times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        times.append(time.perf_counter() - t)
+    return sorted(times)
+
+
+def _best_time(fn: Any, reps: int, warmup: int = 1) -> float:
+    return _times(fn, reps, warmup)[0]
+
+
+def _median_time(fn: Any, reps: int) -> float:
+    return _times(fn, reps)[reps // 2]
 
 
 def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
@@ -66,18 +75,9 @@ def probe(dtype: torch.dtype) -> dict[str, float]:
     a = torch.randn(768, 768).to(dtype)
     b = torch.randn(768, 768).to(dtype)
 
-    def median_time(fn: Any, reps: int) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[reps // 2]
-
     return {
-        "bandwidth_gb_s": 2 * n / median_time(lambda: dst.copy_(src), 9) / 1e9,
-        "matmul_gflop_s": 2 * 768**3 / median_time(lambda: torch.mm(a, b), 41) / 1e9,
+        "bandwidth_gb_s": 2 * n / _median_time(lambda: dst.copy_(src), 9) / 1e9,
+        "matmul_gflop_s": 2 * 768**3 / _median_time(lambda: torch.mm(a, b), 41) / 1e9,
     }
 
 

@@ -155,6 +155,58 @@ def _safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "wpe.weight")
 
 
+@dataclass(frozen=True, slots=True)
+class _ParamCounts:
+    """A checkpoint's parameters by kind, in elements (from its safetensors headers)."""
+
+    linear: int  # the linear layers' weights: 2-D tensors that are not embeddings
+    other: int  # embeddings, norms, biases
+    tied_embedding: int  # the embedding a tied lm_head reads (0 when untied)
+
+
+def _param_counts(files: list[Path], cfg: dict[str, Any], arch: str) -> _ParamCounts:
+    tied = bool(cfg.get("tie_word_embeddings", arch == "GPT2LMHeadModel"))
+    linear = other = embed = 0
+    for name, shape in _safetensors_shapes(files).items():
+        n = math.prod(shape)
+        if arch == "GPT2LMHeadModel" and name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # GPT-2's stored causal masks are buffers nbengine does not load
+        if tied and name == "lm_head.weight":
+            continue  # the tied head shares the embedding
+        if name.endswith(("embed_tokens.weight", "wte.weight")):
+            embed = n
+        if len(shape) == 2 and not name.endswith(_EMBEDDINGS):
+            linear += n
+        else:
+            other += n
+    return _ParamCounts(linear, other, embed if tied else 0)
+
+
+def _weights_bytes(
+    counts: _ParamCounts, dtype: torch.dtype, quantization: str | None, packed: bool
+) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_weight = float(elem)
+    if quantization is not None:
+        from nbengine.ops.quant import bytes_per_weight
+
+        per_weight = bytes_per_weight(quantization)
+    total = counts.linear * per_weight + counts.other * elem
+    if quantization is not None:
+        total += counts.tied_embedding * per_weight  # the tied head's own quantized copy
+    elif dtype == torch.bfloat16 and packed:
+        # bfloat16 packing gives a tied lm_head its own copy (ops/linear.py)
+        total += counts.tied_embedding * elem
+    return int(total)
+
+
+def _linear_weights_bytes(counts: _ParamCounts, dtype: torch.dtype) -> int:
+    """Bytes of the packed linear layers (a tied lm_head's copy included) at ``dtype``:
+    what a oneDNN twin copies (ops/linear.py)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (counts.linear + counts.tied_embedding) * elem
+
+
 def weights_bytes(
     files: list[Path],
     cfg: dict[str, Any],
@@ -171,31 +223,7 @@ def weights_bytes(
     embedding) at that format's bytes per weight (ops/quant.py), and a tied ``lm_head``
     as a quantized copy of the embedding.
     """
-    shapes = _safetensors_shapes(files)
-    tied = bool(cfg.get("tie_word_embeddings", arch == "GPT2LMHeadModel"))
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_weight = float(elem)
-    if quantization is not None:
-        from nbengine.ops.quant import bytes_per_weight
-
-        per_weight = bytes_per_weight(quantization)
-    total = 0.0
-    embed = 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        if arch == "GPT2LMHeadModel" and name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # GPT-2's stored causal masks are buffers nbengine does not load
-        if tied and name == "lm_head.weight":
-            continue  # the tied head shares the embedding
-        if name.endswith(("embed_tokens.weight", "wte.weight")):
-            embed = n
-        linear = len(shape) == 2 and not name.endswith(_EMBEDDINGS)
-        total += n * (per_weight if linear else elem)
-    if tied and quantization is not None:
-        total += embed * per_weight  # the tied head's own quantized copy
-    elif tied and dtype == torch.bfloat16 and packed:
-        total += embed * elem  # bfloat16 packing gives a tied lm_head its own copy (ops/linear.py)
-    return int(total)
+    return _weights_bytes(_param_counts(files, cfg, arch), dtype, quantization, packed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,25 +326,6 @@ def _advice(dtype: torch.dtype) -> str:
     return "Try " + ", ".join(tips) + ", or free memory (other engines: engine.shutdown())."
 
 
-def linear_weights_bytes(
-    files: list[Path], cfg: dict[str, Any], arch: str, dtype: torch.dtype
-) -> int:
-    """Bytes of the linear layers' weights at ``dtype`` (the 2-D tensors that are not
-    embeddings), a tied ``lm_head`` counted once more: what a oneDNN twin copies."""
-    shapes = _safetensors_shapes(files)
-    tied = bool(cfg.get("tie_word_embeddings", arch == "GPT2LMHeadModel"))
-    elem = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for name, shape in shapes.items():
-        if name.endswith(("embed_tokens.weight", "wte.weight")) and tied:
-            total += math.prod(shape)  # the tied head's packed copy
-        elif len(shape) == 2 and not name.endswith(_EMBEDDINGS) and name != "lm_head.weight":
-            total += math.prod(shape)
-        elif name == "lm_head.weight" and not tied:
-            total += math.prod(shape)
-    return total * elem
-
-
 def plan_memory(
     config: EngineConfig,
     weight_files: list[Path],
@@ -356,11 +365,12 @@ def plan_memory(
         available = available_memory()
     dtype_name = str(dtype).removeprefix("torch.")
     quantization = config.model.quantization
-    weights = weights_bytes(weight_files, cfg, arch, dtype, quantization, packed=not cuda)
+    counts = _param_counts(weight_files, cfg, arch)  # the headers are read once
+    weights = _weights_bytes(counts, dtype, quantization, packed=not cuda)
     layers, kv_heads, head_dim, rope = _kv_dims(cfg, arch, max_model_len)
     twin = 0
     if quantization is None and not cuda and onednn_twin_supported(dtype):
-        twin = linear_weights_bytes(weight_files, cfg, arch, dtype)
+        twin = _linear_weights_bytes(counts, dtype)
         if available is not None and twin > _TWIN_SHARE * available:
             logger.info(
                 "No oneDNN copy of the linear weights: it would take %s of %s free.",
