@@ -28,6 +28,12 @@
  * to the machine's peak. N is padded to 64 with zero features; K must be even.
  */
 #define NB_TILE 64
+/* Fewer than four rows (decode) read each weight once: the kernels then prefetch the
+ * weight stream this far ahead of their loads. The hardware prefetcher alone left one
+ * core at about 70% of its read bandwidth here; measured 2026-12-01 on 30 layers of the
+ * bench model's shape at one row, interleaved A/B: bf16 13.6 -> 10.0 ms on two threads
+ * (1, 2, 4 and 8 KiB ahead: 11.9, 10.3, 10.0, 9.8). */
+#define NB_PREFETCH_BYTES 4096
 
 static inline void nb_store16(void *y, int64_t off, int64_t nvalid, __m512 v,
                               const uint16_t *bias, int out_f32) {
@@ -88,6 +94,10 @@ static void nb_linear_tile(const uint16_t *x, const uint16_t *wt, const uint16_t
                 for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
             int64_t p = 0;
             for (; p + 2 <= pairs; p += 2) {
+                if (i == 0) {  /* M < 4 streams the weights once: fetch ahead of the loads */
+                    const char *ahead = (const char *)(wt + p * NB_TILE * 2) + NB_PREFETCH_BYTES;
+                    for (int c = 0; c < 8; c++) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+                }
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     const uint16_t *wp = wt + (p + h) * NB_TILE * 2;
@@ -607,6 +617,11 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
  * and x as it is.
  */
 #define NB_Q_TILE_ROWS 128  /* int4 only */
+/* The row kernels below walk four output rows at a time (four short streams, which the
+ * hardware prefetcher follows poorly), so they prefetch the block of four rows this many
+ * blocks ahead, linearly, while computing the current one. Same A/B as NB_PREFETCH_BYTES,
+ * two threads: int8 10.3 -> 5.0 ms, int4 7.5 -> 4.8 ms (2 to 6 blocks ahead within 10%). */
+#define NB_Q_PREFETCH_BLOCKS 4
 #define NB_Q8_FLUSH 64  /* 32-input steps between int32 -> float32 flushes (int8) */
 
 static inline float nb_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
@@ -682,6 +697,7 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
                        int out_f32, int64_t n0, int64_t n1) {
     const int8_t *wr[4];
     for (int i = 0; i < 4; i++) wr[i] = w + (n0 + i < n1 ? n0 + i : n1 - 1) * Kp;
+    const char *pf = (const char *)(w + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * Kp);
     for (int64_t m = 0; m < M; m++) {
         const int16_t *xr = in->xq + m * Kp;
         __m512 accf[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
@@ -692,6 +708,10 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
                               _mm512_setzero_si512(), _mm512_setzero_si512()};
             for (int64_t k = k0; k < k1; k += 32) {
                 const __m512i xv = _mm512_load_si512(xr + k);
+                if (m == 0) {
+                    _mm_prefetch(pf + 4 * k, _MM_HINT_T0);
+                    _mm_prefetch(pf + 4 * k + 64, _MM_HINT_T0);
+                }
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[i] + k)));
@@ -750,8 +770,16 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
                 zacc[i] = _mm512_fmadd_ps(pairs, _mm512_load_ps(xsr + 2 * g0), zacc[i]);
                 _mm512_store_ps(sf[i], pairs);
             }
+            if (m == 0) {
+                const char *ps = (const char *)(sz + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * ng * 2 + g0 * 8);
+                _mm_prefetch(ps, _MM_HINT_T0);
+                _mm_prefetch(ps + 64, _MM_HINT_T0);
+            }
             for (int64_t j = 0; j < cnt; j++) {
                 const int64_t g = g0 + j;
+                if (m == 0)
+                    for (int64_t c = 0; c < 4 * half; c += 64)
+                        _mm_prefetch((const char *)(w + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * rowb + g * 4 * half + c), _MM_HINT_T0);
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     const __m512i ga = nb_q4_group_dot(w + rows[i] * rowb + g * half, xr + g * G, half);
