@@ -11,7 +11,8 @@ and reports
   share where the mode's most likely next token is bfloat16's.
 
 ``--max-num-batched-tokens 4`` scores in chunks of four tokens, which the quantized
-kernels multiply as they do in decode steps (inputs scaled to int16, ops/quant.py); with
+kernels multiply as they do in decode steps (inputs scaled to int16 per row for int8, to
+int8 per group for int4: ops/quant.py); with
 the default (512), int4 products of 128 rows or more take the prefill path (weights
 dequantized to bfloat16 per tile).
 

@@ -20,11 +20,16 @@ the whole weight dequantized.
 
 Products, as the kernels compute them (bfloat16 inputs):
 
-- int8, and int4 below ``TILE_ROWS`` rows: each row of ``x`` is scaled to int16
-  (``round(x * 32767 / max|x|)``; the error is at most 1/65534 of the row's largest
-  value, below bfloat16's own rounding of ``x``), and the dot products with the integer
-  weights are exact integer sums, scaled afterwards. This is what lets the kernel stream
-  weights at memory speed: one AVX-512 VNNI instruction per 32 products.
+- int8: each row of ``x`` is scaled to int16 (``round(x * 32767 / max|x|)``; the error
+  is at most 1/65534 of the row's largest value, below bfloat16's own rounding of
+  ``x``), and the dot products with the integer weights are exact integer sums, scaled
+  afterwards: one AVX-512 VNNI instruction per 32 products.
+- int4 below ``TILE_ROWS`` rows: each group of ``G`` inputs of a row (the weights'
+  groups) is scaled to int8 on its own (``round(x * 127 / max|x|)`` over the group: an
+  error of at most 1/254 of the group's largest value), and the dot products are exact
+  integer sums, scaled by the group's two scales afterwards: one VNNI instruction per 64
+  products, which keeps int4 decode at memory speed where int16 inputs left it
+  compute bound (docs/quantization.md, "Kernels").
 - int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to bfloat16 one
   tile at a time and multiplied as a bfloat16 model's weights are.
 
@@ -119,6 +124,22 @@ def quantize_rows_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x * inv[:, None]).clamp_(-32768, 32767), amax / 32767.0
 
 
+def quantize_groups_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x [M, K]`` -> ``(xq, sx)``: over each group ``g`` of ``group_size``
+    inputs, ``x ~ xq * sx[:, g]``, ``xq`` integers in -127..127 (as float32 ``[M, Kp]``,
+    zero-padded to the groups), ``sx = max|x| / 127`` of the group (float32, as the kernel).
+    """
+    m, k = x.shape
+    kp = _padded(k, group_size)
+    if kp != k:
+        x = torch.cat([x, torch.zeros(m, kp - k)], dim=1)
+    groups = x.view(m, kp // group_size, group_size)
+    amax = groups.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(groups * inv[..., None]).clamp_(-127, 127)
+    return xq.view(m, kp), amax / 127.0
+
+
 def linear_quantized_reference(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -131,9 +152,9 @@ def linear_quantized_reference(
     """``x [..., K] @ dequant(W).T (+ bias)`` in float32, rounded to ``out_dtype``.
 
     ``out_dtype`` None: the dtype of ``x``. Dequantizes ``_REF_ROWS`` output rows at a time.
-    bfloat16 ``x`` is multiplied as the kernels do (module docstring): scaled to int16 with
-    exact sums (int8; int4 below ``TILE_ROWS`` rows), or by the weights rounded to
-    bfloat16 (int4 from ``TILE_ROWS`` rows on, even K).
+    bfloat16 ``x`` is multiplied as the kernels do (module docstring), with exact sums:
+    scaled to int16 per row (int8), to int8 per group (int4 below ``TILE_ROWS`` rows), or
+    by the weights rounded to bfloat16 (int4 from ``TILE_ROWS`` rows on, even K).
     """
     lead = x.shape[:-1]
     xf = x.reshape(-1, in_features).float()
@@ -141,15 +162,25 @@ def linear_quantized_reference(
     y = torch.empty(xf.shape[0], n, dtype=torch.float32)
     bf16 = x.dtype == torch.bfloat16
     tiled = bf16 and group_size is not None and xf.shape[0] >= TILE_ROWS and in_features % 2 == 0
-    x_int16 = bf16 and not tiled
+    x_int16 = bf16 and group_size is None
+    x_int8 = bf16 and group_size is not None and not tiled
     if x_int16:
         xq, sx = quantize_rows_int16(xf)
         xd = xq.double()
+    if x_int8:
+        assert group_size is not None
+        xq, sx = quantize_groups_int8(xf, group_size)
+        # Exact in float64: each group's integers times its scale.
+        xd = xq.double().view(xf.shape[0], -1, group_size) * sx.double()[..., None]
+        xd = xd.view(xf.shape[0], -1)[:, :in_features]
     for start in range(0, n, _REF_ROWS):
         stop = min(n, start + _REF_ROWS)
         w = dequantize(qweight[start:stop], scales[start:stop], in_features, group_size)
         if x_int16:
             y[:, start:stop] = ((xd @ w.double().T) * sx.double()[:, None]).float()
+            continue
+        if x_int8:
+            y[:, start:stop] = (xd @ w.double().T).float()
             continue
         if tiled:
             w = w.to(torch.bfloat16).float()

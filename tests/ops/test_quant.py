@@ -1,10 +1,11 @@
 """Weight-only quantization (ops/quant.py): the formats, and the native kernels against
 their torch reference.
 
-The reference (``linear_quantized_reference``) computes what the kernels compute (inputs
-scaled to int16 for few rows, weights rounded to bfloat16 for many), in float64 or
-float32; the kernels sum in another order, so float32 results are compared tightly and
-bfloat16 ones within a rounding step.
+The reference (``linear_quantized_reference``) computes what the kernels compute (for few
+rows, inputs scaled to int16 per row with int8 weights and to int8 per group with int4
+weights; for many, int4 weights rounded to bfloat16), in float64 or float32; the kernels
+sum in another order, so float32 results are compared tightly and bfloat16 ones within a
+rounding step.
 """
 
 from __future__ import annotations
@@ -97,6 +98,22 @@ def test_int16_rows_keep_bfloat16_inputs_almost_exactly() -> None:
     assert bool((err <= x.abs().amax(dim=1) / 65534 * 1.001).all())
 
 
+def test_int8_groups_keep_each_group_within_half_a_step() -> None:
+    from nbengine.ops.quant import quantize_groups_int8
+
+    x = _randn(3, 100, seed=8).to(BF16).float()
+    x[1] = 0.0
+    x[2, :64] *= 1000.0  # one loud group does not coarsen its neighbour
+    xq, sx = quantize_groups_int8(x, 64)
+    assert xq.shape == (3, 128) and sx.shape == (3, 2)
+    assert not xq[:, 100:].any() and not xq[1].any() and not sx[1].any()
+    assert float(xq.abs().max()) == 127
+    back = (xq.view(3, 2, 64) * sx[..., None]).view(3, 128)[:, :100]
+    step = sx.repeat_interleave(64, dim=1)[:, :100]
+    assert bool(((back - x).abs() <= step / 2 * 1.001 + 1e-30).all())
+    assert float(sx[2, 1]) < float(sx[2, 0]) / 100
+
+
 def test_reference_matches_dequantized_f_linear() -> None:
     w, x, b = _randn(70, 40, seed=1), _randn(3, 2, 40, seed=2), _randn(70, seed=3)
     for mode in QUANTIZATION_MODES:
@@ -148,6 +165,20 @@ def test_native_matches_reference(mode: str, m: int, n: int, k: int) -> None:
     # Splitting the rows over threads changes no value.
     two = kernels.linear_quantized(x, q, s, k, g, b, torch.float32, num_threads=2)
     assert torch.equal(two, got)
+
+
+@pytest.mark.parametrize("group", [96, 128])  # groups the modes do not use, as the kernel allows
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("k", [96, 200, 576])
+@pytest.mark.required
+@needs_native
+def test_native_int4_other_group_sizes_match_reference(group: int, m: int, k: int) -> None:
+    assert kernels is not None
+    w, x = _randn(70, k, seed=k).to(BF16), _randn(m, k, seed=m + 1).to(BF16)
+    q, s = quantize_int4(w, group)
+    want = linear_quantized_reference(x, q, s, k, group, None, torch.float32)
+    got = kernels.linear_quantized(x, q, s, k, group, None, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
