@@ -30,7 +30,7 @@ from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
 from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.ops.activation import silu_and_mul
-from nbengine.ops.attention import AttentionMetadata, paged_attention
+from nbengine.ops.attention import AttentionMetadata, paged_attention, rope_paged_attention
 from nbengine.ops.linear import NativeLinear, PackedLinear
 from nbengine.ops.quant import QuantLinear
 from nbengine.ops.rms_norm import RMSNorm
@@ -167,6 +167,19 @@ class DecoderAttention(nn.Module):
             if rotary is not None:
                 q, k = rotary(positions, q, k)
         elif self.q_norm is None:
+            o = rope_paged_attention(
+                qkv,
+                self.num_heads,
+                positions,
+                rotary,
+                k_cache,
+                v_cache,
+                meta,
+                self.scale,
+                self.window,
+            )
+            if o is not None:  # the three steps below in one native call, same values
+                return self.o_proj.forward(o.view(n, self.q_size))
             # q and k sit side by side in qkv: rotate them in one pass (same elementwise ops).
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 n, self.num_heads + self.num_kv_heads, self.head_dim

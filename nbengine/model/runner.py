@@ -34,6 +34,7 @@ from nbengine.model.step_inputs import StagedInputs, StepStager
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.ops.attention import ChunkSpec, StagedAttention, build_attention_metadata
 from nbengine.ops.linear import ONEDNN_MIN_ROWS, pack_linears
+from nbengine.ops.quant import dense_supported
 from nbengine.ops.sampling import Sampler, topk_logprobs
 from nbengine.ops.staged_sampling import StagedSampling, logprob_pieces, unpack_logprobs
 from nbengine.outputs import PositionLogprobs
@@ -115,6 +116,16 @@ class ModelRunner:
             if twin and hasattr(loaded.model, "decode_plan_max_rows"):
                 # Larger decode steps take the module path, whose products use the twins.
                 loaded.model.decode_plan_max_rows = ONEDNN_MIN_ROWS - 1
+        elif (
+            loaded.model is not None
+            and config.model.quantization is not None
+            and not self.device_path
+            and dense_supported()
+            and hasattr(loaded.model, "decode_plan_max_rows")
+        ):
+            # Quantized products of many rows dequantize into oneDNN (ops/quant.py), so
+            # larger decode steps take the module path there too.
+            loaded.model.decode_plan_max_rows = ONEDNN_MIN_ROWS - 1
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.block_size: int = config.cache.block_size

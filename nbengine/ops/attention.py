@@ -49,12 +49,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from nbengine.ops import native
+
+if TYPE_CHECKING:
+    from nbengine.ops.rotary import RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -119,6 +122,18 @@ class AttentionMetadata:
         default=None, init=False, repr=False
     )
     _max_seq_len: int | None = field(default=None, init=False, repr=False)
+    _long_prefill: bool | None = field(default=None, init=False, repr=False)
+
+    @property
+    def long_prefill(self) -> bool:
+        """Whether a prefill chunk reaches past ``NATIVE_PREFILL_MAX_KEYS`` keys (its
+        attention then takes SDPA, the decodes still the native kernel)."""
+        if self._long_prefill is None:
+            self._long_prefill = any(
+                c.start_pos + c.num_tokens > NATIVE_PREFILL_MAX_KEYS
+                for c in self.chunks[self.num_decodes :]
+            )
+        return self._long_prefill
 
     @property
     def max_seq_len(self) -> int:
@@ -248,22 +263,8 @@ def build_attention_metadata(
             "block table too short"
         )
 
-    slot_parts: list[torch.Tensor] = []
-    if num_decodes:
-        last = [
-            c.block_table[c.start_pos // block_size] * block_size + c.start_pos % block_size
-            for c in chunks[:num_decodes]
-        ]
-        slot_parts.append(torch.tensor(last, dtype=torch.int64, device=device))
-    for c in chunks[num_decodes:]:
-        table = torch.tensor(list(c.block_table), dtype=torch.int64, device=device)
-        new = torch.arange(
-            c.start_pos, c.start_pos + c.num_tokens, dtype=torch.int64, device=device
-        )
-        slot_parts.append(_slots(table, new, block_size))
-    slot_mapping = (
-        torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64, device=device)
-    )
+    # One list and one tensor: per-chunk torch ops cost more than the Python loop here.
+    slot_mapping = torch.tensor(step_slots(chunks, block_size), dtype=torch.int64, device=device)
     return AttentionMetadata(chunks, block_size, slot_mapping, num_decodes, device)
 
 
@@ -483,6 +484,59 @@ def write_kv(
     v_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def rope_paged_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    positions: torch.Tensor,
+    rotary: RotaryEmbedding,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor | None:
+    """Rotary, K/V write and attention for a fused ``qkv [T, (Hq + 2 Hkv) D]`` in one
+    native call, where the native kernels can run the whole step; else None (the caller
+    then takes ``rotary.rotate`` and ``paged_attention``, which give the same values).
+
+    Each call between kernels costs this machine tens of microseconds of interpreter
+    time with caches the kernels have just flushed; this saves three per layer.
+    """
+    if not meta.use_native or meta.long_prefill:  # long prefill chunks take SDPA
+        return None
+    if (
+        rotary.rotary_dim != rotary.head_dim
+        or rotary.cos.dtype != torch.float32
+        or not native.is_bf16_rows(qkv, k_cache, v_cache)
+        or not (qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+        or positions.dtype != torch.int64
+    ):
+        return None
+    kernels = native.kernels()
+    if kernels is None:
+        return None
+    n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+    if not native.NativeKernels.cached_attention_supports(num_heads, n_kv, hd):
+        return None
+    tables, seq_lens = meta.token_block_tables, meta.token_seq_lens
+    if tables is None or seq_lens is None:
+        return None
+    return kernels.rope_attention(
+        qkv,
+        num_heads,
+        positions,
+        rotary.cos,
+        rotary.sin,
+        meta.slot_mapping,
+        k_cache,
+        v_cache,
+        tables,
+        seq_lens,
+        scale,
+        meta.effective_window(window),
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -514,9 +568,7 @@ def paged_attention(
     if kernels is not None:
         # Decodes, and prefill chunks over short contexts, in one call. Past
         # NATIVE_PREFILL_MAX_KEYS keys SDPA's matmuls beat re-reading the keys per query.
-        long_prefill = any(
-            c.start_pos + c.num_tokens > NATIVE_PREFILL_MAX_KEYS for c in meta.chunks[nd:]
-        )
+        long_prefill = meta.long_prefill
         rows = nd if long_prefill else n_tokens
         assert meta.token_block_tables is not None and meta.token_seq_lens is not None
         if rows:

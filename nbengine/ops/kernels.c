@@ -366,6 +366,29 @@ void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
     }
 }
 
+/* The attention half of a layer after its qkv projection, for T tokens (decodes and
+ * prefill tokens alike): rotate q and k in place in `qkv` (rows of `qkv_stride` values:
+ * Hq query heads, Hkv key heads, Hkv value heads), store each token's new K/V in its
+ * cache slot, then attend every token over the cache (a prefill token sees its chunk's
+ * keys up to itself, written just before) into `out [T, Hq, D]`. The module path
+ * (ops/attention.py, rope_paged_attention) and the decode plan both run this, so they
+ * stay identical. */
+void nb_rope_attention_bf16(uint16_t *qkv, int64_t qkv_stride, const int64_t *positions,
+                            const float *cos_t, const float *sin_t, const int64_t *slots,
+                            uint16_t *k_cache, uint16_t *v_cache, const int32_t *block_tables,
+                            const int32_t *seq_lens, uint16_t *out, int64_t T, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
+                            float scale, int64_t window, int row_threads, int attn_threads) {
+    nb_rotary_bf16(qkv, positions, cos_t, sin_t, T, Hq + Hkv, D, qkv_stride, row_threads);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * Hkv * D, qkv + t * qkv_stride + Hq * D, (size_t)(Hkv * D * 2));
+        memcpy(v_cache + slots[t] * Hkv * D, qkv + t * qkv_stride + (Hq + Hkv) * D,
+               (size_t)(Hkv * D * 2));
+    }
+    nb_cached_attention_bf16(qkv, qkv_stride, k_cache, v_cache, block_tables, seq_lens, out, T,
+                             Hq, Hkv, D, block_size, max_blocks, scale, attn_threads, window);
+}
+
 /* Quantized linears (defined at the end of this file). */
 static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
                         const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
@@ -476,17 +499,11 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
         NB_SYNC();
         NB_LINEAR(h, L->qkv, L->qkv_scales, L->qkv_bias, qkv, nqkv, H);
         NB_SYNC();
-        if (tid == 0) {
-            nb_rotary_bf16(qkv, positions, m->cos, m->sin, B, Hq + Hkv, D, nqkv, row_threads);
-            for (int64_t b = 0; b < B; b++) {  /* the new K/V into their cache slots */
-                memcpy(L->k_cache + slots[b] * Hkv * D, qkv + b * nqkv + Hq * D, (size_t)(Hkv * D * 2));
-                memcpy(L->v_cache + slots[b] * Hkv * D, qkv + b * nqkv + (Hq + Hkv) * D,
-                       (size_t)(Hkv * D * 2));
-            }
-            nb_cached_attention_bf16(qkv, nqkv, L->k_cache, L->v_cache, block_tables, seq_lens,
-                                     attn, B, Hq, Hkv, D, m->block_size, max_blocks, m->scale,
-                                     attn_threads, L->window);
-        }
+        if (tid == 0)
+            nb_rope_attention_bf16(qkv, nqkv, positions, m->cos, m->sin, slots, L->k_cache,
+                                   L->v_cache, block_tables, seq_lens, attn, B, Hq, Hkv, D,
+                                   m->block_size, max_blocks, m->scale, L->window, row_threads,
+                                   attn_threads);
         NB_SYNC();
         NB_LINEAR(attn, L->o, L->o_scales, L->o_bias, x, H, Hq * D);
         NB_SYNC();
@@ -851,9 +868,38 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
     }
 }
 
+/* Dequantize weight row n to bf16 into `row` (Kp values; float32 arithmetic as
+ * ops/quant.py's dequantize, rounded to nearest even). */
+static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_t Kp, int64_t G,
+                             int64_t n, uint16_t *row) {
+    if (bits == 8) {
+        const int8_t *wr = (const int8_t *)w + n * Kp;
+        const __m512 s = _mm512_set1_ps(((const float *)scales)[n]);
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
+            _mm256_storeu_si256((__m256i *)(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(q, s)));
+        }
+        return;
+    }
+    const uint8_t *wr = (const uint8_t *)w + n * (Kp / 2);
+    const uint16_t *p = (const uint16_t *)scales + n * (Kp / G) * 2;
+    const int64_t half = G / 2;
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t g = 0; g < Kp / G; g++) {
+        const __m512 s = _mm512_set1_ps(nb_f16_to_f32(p[2 * g]));
+        const __m512 z = _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1]));
+        for (int64_t c = 0; c < half; c += 16) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + g * half + c)));
+            const __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), s), z);
+            const __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s), z);
+            _mm256_storeu_si256((__m256i *)(row + g * G + c), (__m256i)_mm512_cvtneps_pbh(lo));
+            _mm256_storeu_si256((__m256i *)(row + g * G + half + c), (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+    }
+}
+
 /* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout: each
- * row is dequantized 16 values at a time into `row` (Kp values, float32 arithmetic as
- * ops/quant.py's dequantize, rounded to bf16), then its (2p, 2p + 1) pairs are placed. */
+ * row into `row` (Kp values), then its (2p, 2p + 1) pairs are placed. */
 static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64_t N, int64_t K,
                               int64_t Kp, int64_t G, int64_t t, uint16_t *buf, uint16_t *row) {
     uint32_t *b32 = (uint32_t *)buf;
@@ -864,31 +910,24 @@ static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64
             for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = 0;
             continue;
         }
-        if (bits == 8) {
-            const int8_t *wr = (const int8_t *)w + n * Kp;
-            const __m512 s = _mm512_set1_ps(((const float *)scales)[n]);
-            for (int64_t k = 0; k < Kp; k += 16) {
-                const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
-                _mm256_storeu_si256((__m256i *)(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(q, s)));
-            }
-        } else {
-            const uint8_t *wr = (const uint8_t *)w + n * (Kp / 2);
-            const uint16_t *p = (const uint16_t *)scales + n * (Kp / G) * 2;
-            const int64_t half = G / 2;
-            const __m512i low4 = _mm512_set1_epi32(15);
-            for (int64_t g = 0; g < Kp / G; g++) {
-                const __m512 s = _mm512_set1_ps(nb_f16_to_f32(p[2 * g]));
-                const __m512 z = _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1]));
-                for (int64_t c = 0; c < half; c += 16) {
-                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + g * half + c)));
-                    const __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), s), z);
-                    const __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s), z);
-                    _mm256_storeu_si256((__m256i *)(row + g * G + c), (__m256i)_mm512_cvtneps_pbh(lo));
-                    _mm256_storeu_si256((__m256i *)(row + g * G + half + c), (__m256i)_mm512_cvtneps_pbh(hi));
-                }
-            }
-        }
+        nb_q_dequant_row(bits, w, scales, Kp, G, n, row);
         for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = r32[p];
+    }
+}
+
+/* Rows [n0, n1) of the weight dequantized to a plain bf16 matrix out [n1 - n0, K]: what
+ * products of many rows multiply (ops/quant.py, QuantLinear: in oneDNN on AMX CPUs). */
+void nb_dequantize_bf16(int bits, const void *w, const void *scales, uint16_t *out, int64_t n0,
+                        int64_t n1, int64_t K, int64_t Kp, int64_t G, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint16_t *row = (uint16_t *)aligned_alloc(64, (size_t)((Kp * 2 + 63) / 64 * 64));
+#pragma omp for schedule(static)
+        for (int64_t n = n0; n < n1; n++) {
+            nb_q_dequant_row(bits, w, scales, Kp, G, n, row);
+            memcpy(out + (n - n0) * K, row, (size_t)(K * 2));
+        }
+        free(row);
     }
 }
 

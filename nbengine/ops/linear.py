@@ -162,18 +162,17 @@ class NativeLinear(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``x [..., in_features]`` -> ``[..., out_features]`` in ``out_dtype`` (bf16 or f32)."""
         if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():  # the usual case
-            return self._product(x, out_dtype)
+            # All in this one frame: a Python frame per call costs tens of microseconds with
+            # the caches the previous kernel flushed (ops/attention.py, rope_paged_attention).
+            if self._dnn is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
+                y = torch.ops.mkldnn._linear_pointwise(x, self._dnn, self._b, "none", [None], "")
+                return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+            return self._kernels.linear(x, self._w, self.out_features, self._b, out_dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
             x2 = x2.to(torch.bfloat16).contiguous()
-        return self._product(x2, out_dtype).view(*lead, self.out_features)
-
-    def _product(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        if self._dnn is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
-            y = torch.ops.mkldnn._linear_pointwise(x, self._dnn, self._b, "none", [None], "")
-            return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
-        return self._kernels.linear(x, self._w, self.out_features, self._b, out_dtype)
+        return self.forward(x2, out_dtype).view(*lead, self.out_features)
 
     @property
     def has_onednn_twin(self) -> bool:

@@ -89,9 +89,17 @@ _SIGNATURES: dict[str, list[type]] = {
         _INT,
         _I64,
     ],
+    "nb_rope_attention_bf16": [
+        *([_P, _I64] + [_P] * 9 + [_I64] * 6),
+        _F32,
+        _I64,
+        _INT,
+        _INT,
+    ],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
     "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
+    "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
 }
 # Below this many rows (tokens) an elementwise kernel runs on the calling thread alone:
@@ -115,15 +123,23 @@ class NativeKernels:
         self._silu_mul = lib.nb_silu_mul_bf16
         self._rotary = lib.nb_rotary_bf16
         self._cached_attention = lib.nb_cached_attention_bf16
+        self._rope_attention = lib.nb_rope_attention_bf16
         self._argmax = lib.nb_argmax_f32
         self._linear_q8 = lib.nb_linear_q8
         self._linear_q4 = lib.nb_linear_q4
+        self._dequantize = lib.nb_dequantize_bf16
         # Raw entry point of the whole-stack decode (model/decode_plan.py builds its arguments).
         self.decoder_decode = lib.nb_decoder_decode
 
     @staticmethod
     def _threads(rows: int) -> int:
         return 1 if rows < SMALL_ROWS else torch.get_num_threads()
+
+    @staticmethod
+    def _attention_threads(block_tables: torch.Tensor, block_size: int, kv_heads: int) -> int:
+        """One thread below 8192 (query row, key, KV head) triples to read, else all."""
+        keys = block_tables.shape[0] * block_tables.shape[1] * block_size * kv_heads
+        return 1 if keys < 8192 else torch.get_num_threads()
 
     def linear(
         self,
@@ -216,6 +232,34 @@ class NativeKernels:
             )
         return y
 
+    def dequantize(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        in_features: int,
+        group_size: int | None,
+        rows: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Output rows ``[n0, n1)`` (default: all) of a weight quantized by ops/quant.py as
+        a bfloat16 ``[n1 - n0, in_features]`` matrix (the values of ``dequantize`` there,
+        rounded to bfloat16)."""
+        n0, n1 = rows if rows is not None else (0, qweight.shape[0])
+        kp = qweight.shape[1] if group_size is None else 2 * qweight.shape[1]
+        out = torch.empty(n1 - n0, in_features, dtype=torch.bfloat16)
+        self._dequantize(
+            8 if group_size is None else 4,
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            out.data_ptr(),
+            n0,
+            n1,
+            in_features,
+            kp,
+            group_size or 0,
+            self._threads(n1 - n0),
+        )
+        return out
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,8 +330,7 @@ class NativeKernels:
         """
         b, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
-        keys = int(block_tables.shape[1]) * block_size * b * hkv
-        threads = 1 if keys < 8192 else torch.get_num_threads()
+        threads = self._attention_threads(block_tables, block_size, hkv)
         self._cached_attention(
             q.data_ptr(),
             q.stride(0),
@@ -306,6 +349,56 @@ class NativeKernels:
             threads,
             window or 0,
         )
+
+    def rope_attention(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Rotary on q and k, K/V into the cache, then ``cached_attention``: one call.
+
+        ``qkv [T, (Hq + 2 Hkv) D]`` contiguous bfloat16 (q and k are rotated in place);
+        ``positions`` and ``slot_mapping [T]`` int64; the rest as ``rotary_`` and
+        ``cached_attention``, whose thread choices it keeps, so the result is theirs
+        bit for bit. Returns the attention output ``[T, Hq, D]``.
+        """
+        t = qkv.shape[0]
+        _, block_size, hkv, d = k_cache.shape
+        out = torch.empty(t, num_heads, d, dtype=qkv.dtype)
+        self._rope_attention(
+            qkv.data_ptr(),
+            qkv.shape[1],
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slot_mapping.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            t,
+            num_heads,
+            hkv,
+            d,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            window or 0,
+            self._threads(t),
+            self._attention_threads(block_tables, block_size, hkv),
+        )
+        return out
 
     def argmax(self, x: torch.Tensor) -> list[int]:
         """``x.argmax(dim=-1).tolist()`` for a contiguous float32 ``[N, V]`` (same ties, NaNs)."""

@@ -32,6 +32,12 @@ Products, as the kernels compute them (bfloat16 inputs):
   compute bound (docs/quantization.md, "Kernels").
 - int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to bfloat16 one
   tile at a time and multiplied as a bfloat16 model's weights are.
+- On CPUs where bfloat16 linears carry a oneDNN twin (AMX: ops/linear.py), products of
+  ``ONEDNN_MIN_ROWS`` rows or more (prefill, large decode batches) take neither: the
+  weight is dequantized to bfloat16 (``_DENSE_TILE_BYTES`` at a time) and multiplied in
+  oneDNN, whose AMX tiles run such products several times faster than the VNNI row
+  kernels (3072 x 576 at 512 rows: 2.7 against 14.9 ms, int8). Those products, too, see
+  the weights rounded to bfloat16.
 
 float32 inputs (float32 models: the kernels are not used) are multiplied in float32.
 """
@@ -42,9 +48,11 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nbengine.ops import native
+from nbengine.ops.linear import ONEDNN_MIN_ROWS, onednn_twin_supported
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +64,17 @@ _REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
 # the weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in ops/kernels.c); the
 # reference rounds them the same way there. int8 never does.
 TILE_ROWS = 128
+
+
+# bfloat16 bytes of weight the dense path (module docstring) dequantizes at a time: a
+# layer of the default model's size at once, a large lm_head in slices.
+_DENSE_TILE_BYTES = 32 << 20
+
+
+def dense_supported() -> bool:
+    """True when quantized products of ``ONEDNN_MIN_ROWS`` rows or more take the dense path
+    (dequantized bfloat16 weights in oneDNN): where bfloat16 linears get oneDNN twins."""
+    return _native_enabled() and onednn_twin_supported(torch.bfloat16)
 
 
 def bytes_per_weight(mode: str) -> float:
@@ -148,21 +167,27 @@ def linear_quantized_reference(
     group_size: int | None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    dense_rows: int | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ dequant(W).T (+ bias)`` in float32, rounded to ``out_dtype``.
 
     ``out_dtype`` None: the dtype of ``x``. Dequantizes ``_REF_ROWS`` output rows at a time.
     bfloat16 ``x`` is multiplied as the kernels do (module docstring), with exact sums:
     scaled to int16 per row (int8), to int8 per group (int4 below ``TILE_ROWS`` rows), or
-    by the weights rounded to bfloat16 (int4 from ``TILE_ROWS`` rows on, even K).
+    by the weights rounded to bfloat16 (int4 from ``TILE_ROWS`` rows on, even K; any
+    mode from ``dense_rows`` rows on, the dense path's threshold where it runs).
     """
     lead = x.shape[:-1]
     xf = x.reshape(-1, in_features).float()
     n = qweight.shape[0]
     y = torch.empty(xf.shape[0], n, dtype=torch.float32)
     bf16 = x.dtype == torch.bfloat16
-    tiled = bf16 and group_size is not None and xf.shape[0] >= TILE_ROWS and in_features % 2 == 0
-    x_int16 = bf16 and group_size is None
+    rows = xf.shape[0]
+    tiled = bf16 and (
+        (group_size is not None and rows >= TILE_ROWS and in_features % 2 == 0)
+        or (dense_rows is not None and rows >= dense_rows)
+    )
+    x_int16 = bf16 and group_size is None and not tiled
     x_int8 = bf16 and group_size is not None and not tiled
     if x_int16:
         xq, sx = quantize_rows_int16(xf)
@@ -230,6 +255,10 @@ class QuantLinear(nn.Module):
             native.kernels() if w.dtype == torch.bfloat16 and _native_enabled() else None
         )
         self._q, self._s, self._b = self.qweight, self.scales, self.bias
+        # Products of this many rows or more take the dense path (module docstring).
+        self.dense_rows = (
+            ONEDNN_MIN_ROWS if self._kernels is not None and dense_supported() else None
+        )
 
     @property
     def is_native(self) -> bool:
@@ -249,16 +278,32 @@ class QuantLinear(nn.Module):
                 x, self._q, self._s, self.in_features, self.group_size, self._b, out_dtype
             )
         out = out_dtype or torch.bfloat16
-        if x.dim() == 2 and x.is_contiguous():
-            return kernels.linear_quantized(
-                x, self._q, self._s, self.in_features, self.group_size, self._b, out
-            )
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        y = kernels.linear_quantized(
-            x2, self._q, self._s, self.in_features, self.group_size, self._b, out
+        if x.dim() != 2 or not x.is_contiguous():
+            lead = x.shape[:-1]
+            y = self.forward(x.reshape(-1, self.in_features).contiguous(), out_dtype)
+            return y.view(*lead, self.out_features)
+        if self.dense_rows is not None and x.shape[0] >= self.dense_rows:
+            y = self._dense(kernels, x)
+            return y if out == torch.bfloat16 else y.to(out)
+        return kernels.linear_quantized(
+            x, self._q, self._s, self.in_features, self.group_size, self._b, out
         )
-        return y.view(*lead, self.out_features)
+
+    def _dense(self, kernels: native.NativeKernels, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T (+ b)`` with ``W`` dequantized to bfloat16, in oneDNN (bfloat16 out)."""
+        n, k, b = self.out_features, self.in_features, self._b
+        step = max(1, _DENSE_TILE_BYTES // (2 * k))
+        if n <= step:
+            return F.linear(x, kernels.dequantize(self._q, self._s, k, self.group_size), b)
+        parts = [
+            F.linear(
+                x,
+                kernels.dequantize(self._q, self._s, k, self.group_size, (n0, min(n, n0 + step))),
+                None if b is None else b[n0 : n0 + step],
+            )
+            for n0 in range(0, n, step)
+        ]
+        return torch.cat(parts, dim=1)
 
     def extra_repr(self) -> str:
         path = "native" if self.is_native else "torch reference"

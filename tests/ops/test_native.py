@@ -167,6 +167,66 @@ def test_attention_reads_blocks_in_place(
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("seed", range(4))
+def test_rope_attention_is_rotate_write_and_attend_bit_for_bit(
+    seed: int, window: int | None
+) -> None:
+    """One native call (rope_paged_attention) = rotary.rotate + paged_attention, exactly:
+    the cache it writes and the output, for decodes and prefill chunks in one step."""
+    rng = random.Random(seed)
+    n_kv, block_size, hd = rng.choice([1, 3]), rng.choice([4, 16]), 64
+    n_heads = n_kv * 3
+    spec = [(rng.randrange(0, 60), 1) for _ in range(rng.randrange(0, 5))]
+    spec += [(rng.randrange(0, 30), rng.randrange(2, 20)) for _ in range(1 + seed % 2)]
+    blocks = sum((s + n + block_size - 1) // block_size for s, n in spec)
+    free = rng.sample(range(blocks + 3), blocks)
+    chunks = [
+        ChunkSpec(s, n, [free.pop() for _ in range((s + n + block_size - 1) // block_size)])
+        for s, n in spec
+    ]
+    t = sum(n for _, n in spec)
+    rope = RotaryEmbedding(hd, 512, 10000.0)
+    positions = torch.tensor(
+        [p for c in chunks for p in range(c.start_pos, c.start_pos + c.num_tokens)]
+    )
+    qkv = _bf16(t, (n_heads + 2 * n_kv) * hd, seed=seed)
+    kc = _bf16(blocks + 3, block_size, n_kv, hd, seed=seed + 10)
+    vc = _bf16(blocks + 3, block_size, n_kv, hd, seed=seed + 20)
+    meta = build_attention_metadata(chunks, block_size)
+    scale = hd**-0.5
+
+    qkv1, kc1, vc1 = qkv.clone(), kc.clone(), vc.clone()
+    qk = rope.rotate(positions, qkv1[:, : (n_heads + n_kv) * hd].view(t, n_heads + n_kv, hd))
+    q, k = qk.split([n_heads, n_kv], dim=1)
+    v = qkv1[:, (n_heads + n_kv) * hd :].view(t, n_kv, hd)
+    want = paged_attention(q, k, v, kc1, vc1, meta, scale, window)
+
+    qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    got = attention.rope_paged_attention(
+        qkv2, n_heads, positions, rope, kc2, vc2, meta, scale, window
+    )
+    assert got is not None
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    assert torch.equal(got, want)
+
+
+def test_rope_attention_leaves_long_prefills_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "NATIVE_PREFILL_MAX_KEYS", 8)
+    rope = RotaryEmbedding(64, 64, 10000.0)
+    chunks = [ChunkSpec(0, 1, [0]), ChunkSpec(0, 9, [1, 2, 3])]
+    qkv, kc = _bf16(10, 3 * 64, seed=1), _bf16(4, 4, 1, 64, seed=2)
+    positions = torch.tensor([0, *range(9)])
+
+    def fused() -> torch.Tensor | None:
+        meta = build_attention_metadata(chunks, 4)
+        return attention.rope_paged_attention(qkv, 1, positions, rope, kc, kc.clone(), meta, 0.125)
+
+    assert fused() is None  # a 9-key prefill: SDPA's
+    monkeypatch.setattr(attention, "NATIVE_PREFILL_MAX_KEYS", 16)
+    assert fused() is not None
+
+
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NBENGINE_NATIVE", "0")
     native.kernels.cache_clear()

@@ -184,6 +184,55 @@ def test_native_int4_other_group_sizes_match_reference(group: int, m: int, k: in
 @pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
 @pytest.mark.required
 @needs_native
+def test_dequantize_kernel_is_the_reference_rounded_to_bfloat16(mode: str) -> None:
+    assert kernels is not None
+    w = _randn(70, 100, seed=3)
+    q, s, g = _quantize(w, mode)
+    want = dequantize(q, s, 100, g).to(BF16)
+    assert torch.equal(kernels.dequantize(q, s, 100, g), want)
+    assert torch.equal(kernels.dequantize(q, s, 100, g, (5, 40)), want[5:40])
+
+
+@pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
+@pytest.mark.parametrize("tile_bytes", [32 << 20, 2 * 100 * 16])  # one slice; 16 rows a slice
+@pytest.mark.required
+@needs_native
+def test_dense_path_for_many_rows(
+    mode: str, tile_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``dense_rows`` rows on (AMX CPUs): bfloat16-rounded weights in oneDNN, sliced
+    by output rows when large; fewer rows keep the row kernels."""
+    from nbengine.ops import quant
+
+    monkeypatch.setattr(quant, "_DENSE_TILE_BYTES", tile_bytes)
+    slices: list[tuple[int, int] | None] = []
+    real = native.NativeKernels.dequantize
+
+    def spy(self: native.NativeKernels, *args: object, **kw: object) -> torch.Tensor:
+        slices.append(args[4] if len(args) > 4 else None)  # type: ignore[arg-type]
+        return real(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native.NativeKernels, "dequantize", spy)
+    lin = nn.Linear(100, 70, bias=True).to(BF16)
+    ql = QuantLinear(lin, mode)
+    ql.dense_rows = 12  # as on an AMX CPU, whatever this one is
+    x = _randn(30, 100, seed=6).to(BF16)
+    args = (ql.qweight, ql.scales, 100, ql.group_size, ql.bias)
+    got = ql(x, out_dtype=torch.float32)
+    want = linear_quantized_reference(x, *args, torch.float32, dense_rows=12)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * scale)  # bfloat16 output
+    assert slices == (
+        [None] if tile_bytes > 2 * 100 * 70 else [(n, min(70, n + 16)) for n in range(0, 70, 16)]
+    )
+    few = ql(x[:11], out_dtype=torch.float32)  # below the threshold: the row kernels
+    assert torch.equal(few, kernels.linear_quantized(x[:11], *args, torch.float32))
+    assert len(slices) == (1 if tile_bytes > 2 * 100 * 70 else 5)
+
+
+@pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
+@pytest.mark.required
+@needs_native
 def test_quant_linear_native_forward(mode: str) -> None:
     lin = nn.Linear(96, 50, bias=True).to(BF16)
     ql = QuantLinear(lin, mode)
