@@ -218,7 +218,25 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+    if args.chart:
+        _write_charts(report, args.chart)
     return 0
+
+
+def _write_charts(report: dict[str, object], path: str) -> None:
+    """``--chart``: the bar chart of each workload as HTML (PATH, or PATH-W1.html ... for
+    several workloads)."""
+    from pathlib import Path
+
+    from nbengine.bench import peers_figure
+
+    results = report["results"]
+    assert isinstance(results, dict)
+    target = Path(path)
+    for w in results:
+        out = target if len(results) == 1 else target.with_name(f"{target.stem}-{w}{target.suffix}")
+        peers_figure([report], w).write_html(out)
+        print(f"chart of {w}: {out}", file=sys.stderr, flush=True)
 
 
 DESCRIPTION = """\
@@ -382,6 +400,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="nbengine, the transformers engines, ct2 and llamacpp (those installed; "
         "the skipped ones are named), instead of --engines",
+    )
+    bench.add_argument(
+        "--chart",
+        metavar="PATH",
+        help="also write the plotly bar chart of tokens/s per engine, with the bound, as "
+        "HTML (PATH-W1.html ... for several workloads; in a notebook, "
+        "nbengine.bench.run_peers shows it inline)",
     )
     bench.add_argument(
         "--dtype",

@@ -180,15 +180,45 @@ def test_cli_writes_json(
             "--no-abort",
             "--json",
             str(out),
+            "--chart",
+            str(tmp_path / "chart.html"),
         ]
     )
     assert rc == 0
     data = json.loads(out.read_text())
     assert _positive(data["results"]["W2"]["nbengine"]["output_tok_s"])
     assert "W2" in capsys.readouterr().out
+    html = (tmp_path / "chart.html").read_text()
+    assert "plotly" in html.lower() and "W2: output tokens" in html
+
+
+def test_run_peers_measures_each_precision_and_shows_the_chart(model_dir: Path) -> None:
+    from nbengine.bench import run_peers
+
+    lines: list[str] = []
+    run = run_peers(
+        precisions=(None, "int8"),
+        engines=("nbengine",),
+        model_dir=model_dir,
+        scale=0.1,
+        repeats=1,
+        log=lines.append,
+    )
+    assert [r["config"]["quantization"] for r in run.reports] == [None, "int8"]
+    bars = [t for t in run.figure().data if t.type == "bar"]
+    assert [t.name for t in bars] == ["nbengine"] and list(bars[0].x) == ["bfloat16", "int8"]
+    assert all(_positive(y) for y in bars[0].y)
+    bundle = run._repr_mimebundle_()
+    chart = bundle["application/vnd.plotly.v1+json"]  # what a notebook displays
+    assert [t["name"] for t in chart["data"] if t["type"] == "bar"] == ["nbengine"]
+    assert "W2" in bundle["text/plain"] and any("out tok/s" in line for line in lines)
 
 
 def test_bad_arguments_raise(model_dir: Path) -> None:
+    from nbengine.bench import run_peers
+
+    with pytest.raises(ValueError, match="int3"):  # before any precision runs
+        run_peers(precisions=(None, "int3"), model_dir=model_dir, log=None)
     with pytest.raises(ValueError, match="W9"):
         run_bench(model_dir=model_dir, workloads=("W9",))
     with pytest.raises(ValueError, match="vllm"):

@@ -13,6 +13,8 @@ The package, one concept per module (docs/benchmarks.md describes the method):
 - ``runner``: ``run_bench``, which runs them all and assembles the report;
 - ``report``: per-run figures, medians, targets, ``format_report``;
 - ``chart``: ``peers_figure``, the plotly bar chart of engines and precisions;
+- ``peers``: ``run_peers``, the peers at several precisions in one call, shown as that
+  chart in a notebook;
 - ``scale_out``: the Ray data-parallel measurements behind docs/scale-out.md.
 
 ``run_bench(BenchConfig(...))`` (or ``run_bench(model_dir=..., scale=0.1)``) returns one
@@ -21,6 +23,7 @@ JSON-able dict; ``format_report()`` renders it as a table.
 
 from nbengine.bench.chart import peers_figure
 from nbengine.bench.config import ALL_ENGINES, BenchConfig
+from nbengine.bench.peers import PeersRun, run_peers
 from nbengine.bench.report import TARGETS, format_report
 from nbengine.bench.runner import run_bench
 from nbengine.bench.workloads import ALL_WORKLOADS, SMOLLM2_135M, bench_model_dir, make_workloads
@@ -34,6 +37,8 @@ __all__ = [
     "bench_model_dir",
     "format_report",
     "make_workloads",
+    "PeersRun",
     "peers_figure",
     "run_bench",
+    "run_peers",
 ]
