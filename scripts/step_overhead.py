@@ -17,6 +17,7 @@ runs on the ``nbengine-loop`` thread and is not part of a step, but it shares th
 steps that wait for it show as overhead where they wait.
 
 Usage: python scripts/step_overhead.py [--workload W1] [--quantization int8] [--scale 1.0]
+[--model DIR]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,12 +85,15 @@ def _instrument() -> None:
     )
     torch.nn.functional.embedding = _timed("compute", torch.nn.functional.embedding)  # type: ignore[assignment]
     torch.nn.functional.linear = _timed("compute", torch.nn.functional.linear)  # type: ignore[assignment]
-    engine_core.EngineCore.step = _timed_step(engine_core.EngineCore.step)  # type: ignore[method-assign]
+    engine_core.EngineCore.step = _phase("step", engine_core.EngineCore.step)  # type: ignore[method-assign]
     runner.ModelRunner.execute = _phase("execute", runner.ModelRunner.execute)  # type: ignore[method-assign]
     registry.RequestRegistry.process = _phase("frontend", registry.RequestRegistry.process)  # type: ignore[method-assign]
 
 
 def _phase(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its time added to ``_totals[key]`` and its calls counted in
+    ``_totals[key + " calls"]`` (every call, nested or not)."""
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -96,19 +101,7 @@ def _phase(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         finally:
             _totals[key] += time.perf_counter() - start
-
-    return wrapper
-
-
-def _timed_step(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _totals["step"] += time.perf_counter() - start
-            _totals["steps"] += 1
+            _totals[key + " calls"] += 1
 
     return wrapper
 
@@ -119,11 +112,12 @@ def main() -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--model", default=None, help="a model directory (default: the bench model)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     _instrument()
-    model = bench_model_dir()
+    model = Path(args.model) if args.model else bench_model_dir()
     engine = nb.Engine(
         str(model),
         dtype="bfloat16",
@@ -154,7 +148,7 @@ def main() -> None:
     step, compute, execute = _totals["step"], _totals["compute"], _totals["execute"]
     print(
         f"{args.workload} ({args.quantization or 'bf16'}, threads {torch.get_num_threads()}): "
-        f"{sum(work.output_lens) / wall:.1f} output tok/s, {int(_totals['steps'])} steps, "
+        f"{sum(work.output_lens) / wall:.1f} output tok/s, {int(_totals['step calls'])} steps, "
         f"wall {wall:.2f} s, steps {step:.2f} s"
     )
     print(f"  compute  {compute:.3f} s  {100 * compute / step:.1f}% of step time")
