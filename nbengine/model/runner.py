@@ -118,6 +118,7 @@ class ModelRunner:
                 loaded.model.decode_plan_max_rows = ONEDNN_MIN_ROWS - 1
         elif (
             loaded.model is not None
+            and loaded.dtype == torch.bfloat16
             and config.model.quantization is not None
             and not self.device_path
             and dense_supported()

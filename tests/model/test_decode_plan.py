@@ -241,3 +241,59 @@ def test_with_onednn_twins_large_decode_steps_take_the_module_path(
         core.shutdown()
     assert (20, False) in rows_seen and (1, True) in rows_seen
     assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable")
+def test_quantized_large_steps_dequantize_into_onednn_and_small_ones_take_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the dense path (AMX CPUs, ops/quant.py), quantized decode steps of
+    ONEDNN_MIN_ROWS rows or more take the module path, whose products dequantize the
+    weights into oneDNN; smaller steps stay on the plan's row kernels."""
+    import nbengine.model.runner as runner
+    from nbengine.ops import quant
+    from nbengine.ops.linear import ONEDNN_MIN_ROWS
+
+    monkeypatch.setattr(quant, "dense_supported", lambda: True)
+    monkeypatch.setattr(runner, "dense_supported", lambda: True)
+    dequantized: list[int] = []
+    real = native.NativeKernels.dequantize
+
+    def spy(self: native.NativeKernels, qweight: torch.Tensor, *args: object) -> torch.Tensor:
+        dequantized.append(qweight.shape[0])
+        return real(self, qweight, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native.NativeKernels, "dequantize", spy)
+    path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
+    core = EngineCore(
+        EngineConfig.from_kwargs(path, dtype="bfloat16", quantization="int8", max_num_seqs=24)
+    )
+    model = core.runner.model
+    assert model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
+    rows_seen: list[tuple[int, bool]] = []
+    plan_logits = model.decode_logits
+
+    def decode_logits(input_ids: torch.Tensor, *args: object) -> torch.Tensor | None:
+        out = plan_logits(input_ids, *args)
+        rows_seen.append((input_ids.shape[0], out is not None))
+        return out
+
+    model.decode_logits = decode_logits
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    try:
+        for i in range(20):
+            core.add_request(EngineCoreRequest(f"r{i}", [5 + i, 7, 9], params, time.time()))
+        produced = 0
+        while core.has_unfinished_requests():
+            produced += sum(len(o.new_token_ids) for o in core.step().outputs)
+        before_alone = len(dequantized)
+        core.add_request(EngineCoreRequest("alone", [5, 7, 9], params, time.time()))
+        while core.has_unfinished_requests():
+            core.step()
+    finally:
+        core.shutdown()
+    assert produced == 20 * 6
+    assert before_alone > 0, "the 20-row steps dequantized weights for oneDNN"
+    assert len(dequantized) == before_alone, "the lone request's steps did not"
+    assert (20, False) in rows_seen and (1, True) in rows_seen
+    assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
