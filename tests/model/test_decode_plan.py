@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,21 @@ def test_with_onednn_twins_large_decode_steps_take_the_module_path(
     path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
     core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", max_num_seqs=24))
     model = core.runner.model
+    assert model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
+    linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    assert linears and all(m.has_onednn_twin for m in linears)
+    rows_seen, _ = _twenty_then_alone(core)
+    assert (20, False) in rows_seen and (1, True) in rows_seen
+    assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
+
+
+def _twenty_then_alone(
+    core: EngineCore, between: Callable[[], None] = lambda: None
+) -> tuple[list[tuple[int, bool]], int]:
+    """Run 20 greedy requests of 6 tokens together, call ``between``, then one request
+    alone; shut ``core`` down. Returns each decode step's (rows, whether the decode plan
+    ran it) and the tokens the 20 produced."""
+    model = core.runner.model
     rows_seen: list[tuple[int, bool]] = []
     plan_logits = model.decode_logits
 
@@ -225,22 +241,20 @@ def test_with_onednn_twins_large_decode_steps_take_the_module_path(
         return out
 
     model.decode_logits = decode_logits
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    produced = 0
     try:
-        assert model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
-        linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
-        assert linears and all(m.has_onednn_twin for m in linears)
-        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         for i in range(20):
             core.add_request(EngineCoreRequest(f"r{i}", [5 + i, 7, 9], params, time.time()))
         while core.has_unfinished_requests():
-            core.step()
+            produced += sum(len(o.new_token_ids) for o in core.step().outputs)
+        between()
         core.add_request(EngineCoreRequest("alone", [5, 7, 9], params, time.time()))
         while core.has_unfinished_requests():
             core.step()
     finally:
         core.shutdown()
-    assert (20, False) in rows_seen and (1, True) in rows_seen
-    assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
+    return rows_seen, produced
 
 
 @pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable")
@@ -268,32 +282,11 @@ def test_quantized_large_steps_dequantize_into_onednn_and_small_ones_take_the_pl
     core = EngineCore(
         EngineConfig.from_kwargs(path, dtype="bfloat16", quantization="int8", max_num_seqs=24)
     )
-    model = core.runner.model
-    assert model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
-    rows_seen: list[tuple[int, bool]] = []
-    plan_logits = model.decode_logits
-
-    def decode_logits(input_ids: torch.Tensor, *args: object) -> torch.Tensor | None:
-        out = plan_logits(input_ids, *args)
-        rows_seen.append((input_ids.shape[0], out is not None))
-        return out
-
-    model.decode_logits = decode_logits
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    try:
-        for i in range(20):
-            core.add_request(EngineCoreRequest(f"r{i}", [5 + i, 7, 9], params, time.time()))
-        produced = 0
-        while core.has_unfinished_requests():
-            produced += sum(len(o.new_token_ids) for o in core.step().outputs)
-        before_alone = len(dequantized)
-        core.add_request(EngineCoreRequest("alone", [5, 7, 9], params, time.time()))
-        while core.has_unfinished_requests():
-            core.step()
-    finally:
-        core.shutdown()
+    assert core.runner.model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
+    before_alone: list[int] = []
+    rows_seen, produced = _twenty_then_alone(core, lambda: before_alone.append(len(dequantized)))
     assert produced == 20 * 6
-    assert before_alone > 0, "the 20-row steps dequantized weights for oneDNN"
-    assert len(dequantized) == before_alone, "the lone request's steps did not"
+    assert before_alone[0] > 0, "the 20-row steps dequantized weights for oneDNN"
+    assert len(dequantized) == before_alone[0], "the lone request's steps did not"
     assert (20, False) in rows_seen and (1, True) in rows_seen
     assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
