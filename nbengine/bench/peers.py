@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nbengine.bench.chart import peers_figure
@@ -35,7 +35,6 @@ class PeersRun:
 
     reports: list[dict[str, Any]]
     workloads: tuple[str, ...]
-    skipped: dict[str, str] = field(default_factory=dict)
 
     def figure(self, workload: str | None = None) -> Any:
         """``peers_figure`` of every report for ``workload`` (default: the first one run)."""
@@ -90,4 +89,4 @@ def run_peers(
         if log is not None:
             log(format_report(report))
         reports.append(report)
-    return PeersRun(reports, tuple(workloads), skipped)
+    return PeersRun(reports, tuple(workloads))
