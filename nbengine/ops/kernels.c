@@ -284,85 +284,163 @@ static inline void nb_prefetch_block(const uint16_t *cache, int32_t block, int64
         for (int64_t c = 0; c < D * 2; c += 64) _mm_prefetch(base + o * row * 2 + c, _MM_HINT_T0);
 }
 
+/* The sums of 16 vectors' lanes, as one vector: lane i = the sum of v[i]'s 16 lanes (a
+ * transpose-and-add tree: 45 instructions where 16 separate reductions take about 150). */
+static inline __m512 nb_sum16x16(const __m512 v[16]) {
+    __m512 s1[8], s2[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: the lane's sum of 4 vectors */
+        const __m512d c = _mm512_castps_pd(s1[2 * i]), d = _mm512_castps_pd(s1[2 * i + 1]);
+        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                              _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    /* Lane j of s2[i] holds 128-bit lane j's sums of vectors 4i .. 4i + 3: add the four. */
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88),
+                                    _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88),
+                                    _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
+/* Query heads h G + g0 .. h G + g1 - 1 (those of KV head h) of row b: the work item of
+ * the attention kernels below. Every head's output is computed alone, the same way
+ * whichever item holds it. */
+static void nb_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                      const uint16_t *v_cache, const int32_t *block_tables, const int32_t *seq_lens,
+                      uint16_t *out, int64_t b, int64_t h, int64_t g0, int64_t g1, int64_t Hq,
+                      int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
+                      int64_t window) {
+    const int64_t G = Hq / Hkv, dv = D / 16, dk = D / 32, ng = g1 - g0;
+    const int64_t row = Hkv * D;  /* elements between consecutive positions of a block */
+    const int64_t L = seq_lens[b];
+    const int64_t S = window > 0 && L > window ? L - window : 0;  /* first key */
+    const int64_t J0 = S / block_size * block_size;  /* its block's first position */
+    const int32_t *table = block_tables + b * max_blocks;
+    /* Room for 16-wide stores from any start S (the tail lanes are masked off). */
+    const int64_t Lp = (L + 15) / 16 * 16 + 16;
+    float *scores = (float *)malloc(sizeof(float) * ng * Lp);
+    __m512bh qv[8][4];  /* [g][d / 32]: G <= 8 and D <= 128 on this path */
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t c = 0; c < dk; c++)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512(q + b * q_stride + (h * G + g0 + g) * D + 32 * c);
+    /* Pass 1: scores, 16 keys at a time (the last group's missing keys repeat its last
+     * key, and their lanes are not stored). */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    int64_t blk = S / block_size, off = S % block_size;  /* where key j lies */
+    for (int64_t j = S; j < L; j += 16) {
+        const int64_t n = L - j < 16 ? L - j : 16;
+        const uint16_t *kr[16];
+        for (int64_t i = 0; i < 16; i++) {
+            kr[i] = k_cache + ((int64_t)table[blk] * block_size + off) * row + h * D;
+            if (i < n - 1 || (i == n - 1 && n == 16)) {
+                if (++off == block_size) { off = 0; blk++; }
+            }
+        }
+        /* The next 16 keys' rows (in whichever blocks they lie): ask for them now. */
+        if (j + 16 < L) {
+            int64_t pb = blk, po = off;
+            for (int64_t i = 0; i < 16 && j + 16 + i < L; i++) {
+                const char *r = (const char *)(k_cache + ((int64_t)table[pb] * block_size + po) * row + h * D);
+                for (int64_t c = 0; c < D * 2; c += 64) _mm_prefetch(r + c, _MM_HINT_T0);
+                if (++po == block_size) { po = 0; pb++; }
+            }
+        }
+        for (int64_t g = 0; g < ng; g++) {
+            __m512 acc[16];
+            for (int64_t i = 0; i < 16; i++) {
+                acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(kr[i]), qv[g][0]);
+                for (int64_t c = 1; c < dk; c++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(kr[i] + 32 * c), qv[g][c]);
+            }
+            _mm512_mask_storeu_ps(scores + g * Lp + j, nb_mask(n), _mm512_mul_ps(nb_sum16x16(acc), vscale));
+        }
+    }
+    /* Softmax per query head, 16 keys at a time. */
+    for (int64_t g = 0; g < ng; g++) {
+        float *sc = scores + g * Lp;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = S; j < L; j += 16)
+            mx = _mm512_mask_max_ps(mx, nb_mask(L - j), mx, _mm512_loadu_ps(sc + j));
+        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = S; j < L; j += 16) {
+            const __mmask16 mk = nb_mask(L - j);
+            const __m512 e = nb_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), vmax));
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+            _mm512_mask_storeu_ps(sc + j, mk, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (int64_t j = S; j < L; j += 16)
+            _mm512_mask_storeu_ps(sc + j, nb_mask(L - j), _mm512_mul_ps(_mm512_loadu_ps(sc + j), inv));
+    }
+    /* Pass 2: probabilities times values. */
+    __m512 acc[8][8];  /* [g][d / 16] */
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j0 = J0; j0 < L; j0 += block_size) {
+        const uint16_t *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row + h * D;
+        const int64_t n = L - j0 < block_size ? L - j0 : block_size;
+        if (j0 + block_size < L) nb_prefetch_block(v_cache, table[j0 / block_size + 1], block_size, row, h * D, D);
+        for (int64_t o = j0 < S ? S - j0 : 0; o < n; o++) {
+            const uint16_t *vr = vb + o * row;
+            __m512 vv[8];
+            for (int64_t c = 0; c < dv; c++) vv[c] = nb_load16(vr + 16 * c, 0xffff);
+            for (int64_t g = 0; g < ng; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * Lp + j0 + o]);
+                for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < ng; g++) {
+        uint16_t *o = out + (b * Hq + h * G + g0 + g) * D;
+        for (int64_t c = 0; c < dv; c++) nb_store16_bf16(o + 16 * c, 0xffff, acc[g][c]);
+    }
+    free(scores);
+}
+
 void nb_cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                               const uint16_t *v_cache, const int32_t *block_tables,
                               const int32_t *seq_lens, uint16_t *out, int64_t B, int64_t Hq,
                               int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
                               float scale, int nthreads, int64_t window) {
-    const int64_t G = Hq / Hkv, dv = D / 16, dk = D / 32;
-    const int64_t row = Hkv * D;  /* elements between consecutive positions of a block */
 #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t L = seq_lens[b];
-            const int64_t S = window > 0 && L > window ? L - window : 0;  /* first key */
-            const int64_t J0 = S / block_size * block_size;  /* its block's first position */
-            const int32_t *table = block_tables + b * max_blocks;
-            /* Room for 16-wide loads from any start S (the tail lanes are masked off). */
-            const int64_t Lp = (L + 15) / 16 * 16 + 16;
-            float *scores = (float *)malloc(sizeof(float) * G * Lp);
-            __m512bh qv[8][4];  /* [g][d / 32]: G <= 8 and D <= 128 on this path */
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < dk; c++)
-                    qv[g][c] = (__m512bh)_mm512_loadu_si512(q + b * q_stride + (h * G + g) * D + 32 * c);
-            /* Pass 1: scores, walking the block table (no division per key). */
-            for (int64_t j0 = J0; j0 < L; j0 += block_size) {
-                const uint16_t *kb = k_cache + (int64_t)table[j0 / block_size] * block_size * row + h * D;
-                const int64_t n = L - j0 < block_size ? L - j0 : block_size;
-                if (j0 + block_size < L) nb_prefetch_block(k_cache, table[j0 / block_size + 1], block_size, row, h * D, D);
-                for (int64_t o = j0 < S ? S - j0 : 0; o < n; o++) {
-                    const uint16_t *kr = kb + o * row;
-                    __m512bh kv[4];
-                    for (int64_t c = 0; c < dk; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
-                    for (int64_t g = 0; g < G; g++) {
-                        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), kv[0], qv[g][0]);
-                        for (int64_t c = 1; c < dk; c++) acc = _mm512_dpbf16_ps(acc, kv[c], qv[g][c]);
-                        scores[g * Lp + j0 + o] = _mm512_reduce_add_ps(acc) * scale;
-                    }
-                }
-            }
-            /* Softmax per query head, 16 keys at a time. */
-            for (int64_t g = 0; g < G; g++) {
-                float *sc = scores + g * Lp;
-                __m512 mx = _mm512_set1_ps(-INFINITY);
-                for (int64_t j = S; j < L; j += 16)
-                    mx = _mm512_mask_max_ps(mx, nb_mask(L - j), mx, _mm512_loadu_ps(sc + j));
-                const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t j = S; j < L; j += 16) {
-                    const __mmask16 mk = nb_mask(L - j);
-                    const __m512 e = nb_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), vmax));
-                    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
-                    _mm512_mask_storeu_ps(sc + j, mk, e);
-                }
-                const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-                for (int64_t j = S; j < L; j += 16)
-                    _mm512_mask_storeu_ps(sc + j, nb_mask(L - j), _mm512_mul_ps(_mm512_loadu_ps(sc + j), inv));
-            }
-            /* Pass 2: probabilities times values. */
-            __m512 acc[8][8];  /* [g][d / 16] */
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
-            for (int64_t j0 = J0; j0 < L; j0 += block_size) {
-                const uint16_t *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row + h * D;
-                const int64_t n = L - j0 < block_size ? L - j0 : block_size;
-                if (j0 + block_size < L) nb_prefetch_block(v_cache, table[j0 / block_size + 1], block_size, row, h * D, D);
-                for (int64_t o = j0 < S ? S - j0 : 0; o < n; o++) {
-                    const uint16_t *vr = vb + o * row;
-                    __m512 vv[8];
-                    for (int64_t c = 0; c < dv; c++) vv[c] = nb_load16(vr + 16 * c, 0xffff);
-                    for (int64_t g = 0; g < G; g++) {
-                        const __m512 p = _mm512_set1_ps(scores[g * Lp + j0 + o]);
-                        for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-                    }
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                uint16_t *o = out + (b * Hq + h * G + g) * D;
-                for (int64_t c = 0; c < dv; c++) nb_store16_bf16(o + 16 * c, 0xffff, acc[g][c]);
-            }
-            free(scores);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+            nb_attend(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, b, h, 0,
+                      Hq / Hkv, Hq, Hkv, D, block_size, max_blocks, scale, window);
+}
+
+/* This thread's share (of `nt`) of the query heads of every row, inside a parallel region
+ * the caller runs (the decode plan's one or two rows): thread tid takes the heads
+ * [Hq tid / nt, Hq (tid + 1) / nt), in items of one KV head each. */
+static void nb_cached_attention_share(const uint16_t *q, int64_t q_stride,
+                                      const uint16_t *k_cache, const uint16_t *v_cache,
+                                      const int32_t *block_tables, const int32_t *seq_lens,
+                                      uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                      int64_t block_size, int64_t max_blocks, float scale,
+                                      int64_t window, int tid, int nt) {
+    const int64_t G = Hq / Hkv, first = Hq * tid / nt, last = Hq * (tid + 1) / nt;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = first / G; h * G < last; h++) {
+            const int64_t g0 = first > h * G ? first - h * G : 0;
+            const int64_t g1 = last < (h + 1) * G ? last - h * G : G;
+            nb_attend(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, b, h, g0, g1,
+                      Hq, Hkv, D, block_size, max_blocks, scale, window);
         }
+}
+
+/* The first half of nb_rope_attention_bf16: q and k rotated, each token's K/V stored. */
+static void nb_rope_store(uint16_t *qkv, int64_t qkv_stride, const int64_t *positions,
+                          const float *cos_t, const float *sin_t, const int64_t *slots,
+                          uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t Hq,
+                          int64_t Hkv, int64_t D, int row_threads) {
+    nb_rotary_bf16(qkv, positions, cos_t, sin_t, T, Hq + Hkv, D, qkv_stride, row_threads);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * Hkv * D, qkv + t * qkv_stride + Hq * D, (size_t)(Hkv * D * 2));
+        memcpy(v_cache + slots[t] * Hkv * D, qkv + t * qkv_stride + (Hq + Hkv) * D,
+               (size_t)(Hkv * D * 2));
     }
 }
 
@@ -379,12 +457,8 @@ void nb_rope_attention_bf16(uint16_t *qkv, int64_t qkv_stride, const int64_t *po
                             const int32_t *seq_lens, uint16_t *out, int64_t T, int64_t Hq,
                             int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
                             float scale, int64_t window, int row_threads, int attn_threads) {
-    nb_rotary_bf16(qkv, positions, cos_t, sin_t, T, Hq + Hkv, D, qkv_stride, row_threads);
-    for (int64_t t = 0; t < T; t++) {
-        memcpy(k_cache + slots[t] * Hkv * D, qkv + t * qkv_stride + Hq * D, (size_t)(Hkv * D * 2));
-        memcpy(v_cache + slots[t] * Hkv * D, qkv + t * qkv_stride + (Hq + Hkv) * D,
-               (size_t)(Hkv * D * 2));
-    }
+    nb_rope_store(qkv, qkv_stride, positions, cos_t, sin_t, slots, k_cache, v_cache, T, Hq, Hkv,
+                  D, row_threads);
     nb_cached_attention_bf16(qkv, qkv_stride, k_cache, v_cache, block_tables, seq_lens, out, T,
                              Hq, Hkv, D, block_size, max_blocks, scale, attn_threads, window);
 }
@@ -464,7 +538,8 @@ static void nb_barrier_wait(nb_barrier *b) {
 /* The layers, as run by thread `tid` of a team of `nt`. nt == 1: one thread runs every
  * step and each kernel uses the thread counts given. nt > 1 (inside a parallel region of
  * nt threads): the linears, which stream the weights, are split by output tiles across
- * the team, the small steps run on thread 0, and barriers order them. */
+ * the team, the attention by query heads, the small steps run on thread 0, and barriers
+ * order them. */
 static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residual,
                               const int64_t *positions, const int64_t *slots,
                               const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
@@ -499,11 +574,20 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
         NB_SYNC();
         NB_LINEAR(h, L->qkv, L->qkv_scales, L->qkv_bias, qkv, nqkv, H);
         NB_SYNC();
-        if (tid == 0)
+        if (nt == 1) {
             nb_rope_attention_bf16(qkv, nqkv, positions, m->cos, m->sin, slots, L->k_cache,
                                    L->v_cache, block_tables, seq_lens, attn, B, Hq, Hkv, D,
                                    m->block_size, max_blocks, m->scale, L->window, row_threads,
                                    attn_threads);
+        } else {  /* the same two steps, the attention split between the team by heads */
+            if (tid == 0)
+                nb_rope_store(qkv, nqkv, positions, m->cos, m->sin, slots, L->k_cache,
+                              L->v_cache, B, Hq, Hkv, D, row_threads);
+            NB_SYNC();
+            nb_cached_attention_share(qkv, nqkv, L->k_cache, L->v_cache, block_tables, seq_lens,
+                                      attn, B, Hq, Hkv, D, m->block_size, max_blocks, m->scale,
+                                      L->window, tid, nt);
+        }
         NB_SYNC();
         NB_LINEAR(attn, L->o, L->o_scales, L->o_bias, x, H, Hq * D);
         NB_SYNC();

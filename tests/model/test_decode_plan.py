@@ -175,10 +175,18 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
     assert picks.count(fast) == 6 and len(set(picks)) == 2, picks
 
 
-def test_single_sequence_split_across_threads_matches(tmp_path: Path) -> None:
-    # One sequence on two threads takes the kernel's weight-splitting path; the chooser
-    # tries both thread counts first, so both paths produce tokens here.
-    path = make_tiny_model(tmp_path / "m", "llama", weight_std=0.05, **PLAN_SHAPE)
+# Nine query heads on three KV heads: split between two threads, the attention's share
+# of one thread ends inside a KV head's group.
+NINE_HEADS = dict(PLAN_SHAPE, hidden_size=288, num_attention_heads=9, num_key_value_heads=3)
+
+
+@pytest.mark.parametrize("shape", [PLAN_SHAPE, NINE_HEADS], ids=["4-heads", "9-heads"])
+def test_single_sequence_split_across_threads_matches(
+    tmp_path: Path, shape: dict[str, int]
+) -> None:
+    # One sequence on two threads takes the kernel's weight- and head-splitting path; the
+    # chooser tries both thread counts first, so both paths produce tokens here.
+    path = make_tiny_model(tmp_path / "m", "llama", weight_std=0.05, **shape)
     results = []
     for plans in (True, False):
         torch.set_num_threads(2)
