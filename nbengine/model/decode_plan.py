@@ -131,6 +131,9 @@ class DecodePlan:
         a = model.args
         self._fn = kernels.decoder_decode
         self.cache_key = cache_key(kv_caches)
+        # The runner's list of cache tensors, replaced (never changed in place) when the
+        # cache is: the same list means the same key, without reading 2 x layers pointers.
+        self.kv_caches = kv_caches
         # Every tensor the C structs point into is also held here, so a parameter replaced
         # on the model later cannot leave the plan pointing at freed memory.
         self._tensors: list[torch.Tensor] = []

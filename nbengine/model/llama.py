@@ -365,7 +365,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan | None:
         plan = self._plan
-        if plan is None or plan.cache_key != cache_key(kv_caches):
+        if plan is None or (
+            plan.kv_caches is not kv_caches and plan.cache_key != cache_key(kv_caches)
+        ):
             plan = build_decode_plan(self, kv_caches)
             if plan is None:
                 self.decode_plans_enabled = False  # this model cannot: stop asking

@@ -298,3 +298,20 @@ def test_quantized_large_steps_dequantize_into_onednn_and_small_ones_take_the_pl
     assert len(dequantized) == before_alone[0], "the lone request's steps did not"
     assert (20, False) in rows_seen and (1, True) in rows_seen
     assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
+
+
+def test_plan_is_rebuilt_for_new_cache_tensors(tmp_path: Path) -> None:
+    """The plan holds raw pointers into the KV cache: the same list of tensors reuses it,
+    a new list (new tensors) gets a plan of its own."""
+    from nbengine.model.decode_plan import cache_key
+
+    path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
+    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
+    model, caches = core.runner.model, core.runner.kv_caches
+    first = model._decode_plan(caches)
+    assert first is not None and model._decode_plan(caches) is first
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    second = model._decode_plan(copies)
+    assert second is not None and second is not first
+    assert second.cache_key == cache_key(copies) != first.cache_key
+    core.shutdown()
