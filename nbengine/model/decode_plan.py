@@ -11,6 +11,11 @@ With weight-only quantization (ops/quant.py) the plan runs the quantized kernels
 place of the bfloat16 ones, with the same per-call choices (rows below or above the tile
 threshold), so it stays bit-identical to the module path.
 
+A greedy step whose requests need nothing but the argmax (``DecodePlan.greedy``) is one
+call from token ids to tokens: the kernel looks up the embeddings and picks each row's
+greedy token itself (as the sampler's native argmax does), so no Python runs between the
+layers and the next token.
+
 A plan is built once per model and KV cache: it holds raw pointers to the model's packed
 weights and to the cache tensors, which stay alive and in place for the runner's life.
 
@@ -92,6 +97,7 @@ class _Decoder(ctypes.Structure):
         ("qbits", ctypes.c_int64),
         ("qgroup", ctypes.c_int64),
         ("lm_head_scales", _P),
+        ("embed", _P),
     ]
 
 
@@ -195,6 +201,12 @@ class DecodePlan:
             and model.norm.weight.dtype == torch.bfloat16
         )
         head_w, head_s = weights(head) if self.has_lm_head else (None, None)
+        # Greedy steps can be one call from token ids to tokens (``greedy``) when the
+        # embedding table is a plain bfloat16 matrix the kernel can read rows of.
+        embed = model.embed_tokens.weight
+        self.has_greedy = (
+            self.has_lm_head and embed.dtype == torch.bfloat16 and embed.is_contiguous()
+        )
         self._layers = layers  # referenced by the struct: keep alive
         self._decoder = _Decoder(
             a.num_layers,
@@ -215,6 +227,7 @@ class DecodePlan:
             0 if mode is None else (8 if cast(QuantLinear, first).group_size is None else 4),
             (cast(QuantLinear, first).group_size or 0) if mode is not None else 0,
             head_s,
+            ptr(embed) if self.has_greedy else None,
         )
         self.hidden = a.hidden_size
         self.vocab = a.vocab_size
@@ -237,6 +250,20 @@ class DecodePlan:
         self._call(x, torch.empty_like(x), logits, positions, meta)
         return logits
 
+    def greedy(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> list[int]:
+        """Each row's greedy next token (the logits' first maximum, as the sampler's argmax)
+        from its token id ``input_ids [B]`` int64: embedding, layers, head and argmax in one
+        call (needs ``has_greedy``)."""
+        assert self.has_greedy
+        b = input_ids.shape[0]
+        x = torch.empty(b, self.hidden, dtype=torch.bfloat16)
+        logits = torch.empty(b, self.vocab, dtype=torch.float32)
+        tokens = torch.empty(b, dtype=torch.int64)
+        self._call(x, torch.empty_like(x), logits, positions, meta, input_ids, tokens)
+        return tokens.tolist()
+
     def _call(
         self,
         x: torch.Tensor,
@@ -244,6 +271,8 @@ class DecodePlan:
         logits: torch.Tensor | None,
         positions: torch.Tensor,
         meta: AttentionMetadata,
+        token_ids: torch.Tensor | None = None,
+        argmax: torch.Tensor | None = None,
     ) -> None:
         assert meta.token_block_tables is not None and meta.token_seq_lens is not None
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[1] == self.hidden
@@ -252,8 +281,10 @@ class DecodePlan:
         small = b <= 2  # the kernel's weight-splitting path (see the module docstring)
         if small:
             threads = self.threads.choose(threads)
+        if token_ids is not None:
+            assert token_ids.dtype == torch.int64 and token_ids.is_contiguous()
         start = time.perf_counter()
-        self._fn(
+        status = self._fn(
             ctypes.byref(self._decoder),
             x.data_ptr(),
             residual.data_ptr(),
@@ -265,7 +296,11 @@ class DecodePlan:
             b,
             meta.token_block_tables.shape[1],
             threads,
+            None if token_ids is None else token_ids.data_ptr(),
+            None if argmax is None else argmax.data_ptr(),
         )
+        if status != 0:
+            raise IndexError(f"token id outside the vocabulary of {self.vocab}")
         if small:
             self.threads.record(threads, time.perf_counter() - start)
 

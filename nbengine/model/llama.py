@@ -354,6 +354,22 @@ class LlamaForCausalLM(nn.Module):
             return None
         return plan.logits(self.embed_tokens(input_ids), positions, meta)
 
+    def decode_greedy(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> list[int] | None:
+        """Each row's greedy next token of a decode-only step from one native call
+        (embedding, layers, head, argmax); ``None`` where the plan cannot do it."""
+        if not self._plan_may_run(meta, input_ids.shape[0]):
+            return None
+        plan = self._decode_plan(kv_caches)
+        if plan is None or not plan.has_greedy:
+            return None
+        return plan.greedy(input_ids, positions, meta)
+
     def _plan_may_run(self, meta: AttentionMetadata, rows: int) -> bool:
         """A decode-only step the decode plan is allowed to take."""
         limit = self.decode_plan_max_rows

@@ -4,7 +4,10 @@ Per step: flatten the scheduled chunks (single-token chunks first, so the attent
 can batch them), build input ids, positions and the attention metadata (slot mapping,
 gather tables, masks) once, run the model under ``torch.inference_mode``, project to
 logits only the rows that are needed (the last row of every chunk that samples, and the
-prompt rows of requests that asked for ``prompt_logprobs``), then sample.
+prompt rows of requests that asked for ``prompt_logprobs``), then sample. A decode-only
+step the model's decode plan can run (model/decode_plan.py) is one call for the logits,
+or for the tokens themselves when every request's token is its logits' argmax and
+nothing else is asked of them (``Sampler.argmax_suffices``).
 
 The runner validates nothing user-facing (the frontend does); it asserts the
 SchedulerOutput invariants cheaply.
@@ -191,8 +194,18 @@ class ModelRunner:
             input_pos = torch.tensor(step.positions, dtype=torch.int64)
             logits = None
             decode_logits = getattr(self.model, "decode_logits", None)
+            decode_greedy = getattr(self.model, "decode_greedy", None)
             if decode_logits is not None and len(sample_rows) == meta.num_decodes == len(step.ids):
-                # Decode-only and every row samples: the model may do it all in one call.
+                # Decode-only and every row samples: the model may do it all in one call,
+                # up to the tokens themselves when their argmax is all the sampler would do.
+                if decode_greedy is not None and self.sampler.argmax_suffices(
+                    [c.request for c in step.sample_chunks]
+                ):
+                    tokens = decode_greedy(input_ids, input_pos, meta, self.kv_caches)
+                    if tokens is not None:
+                        for c, tok in zip(step.sample_chunks, tokens):
+                            out.sampled[c.request.request_id] = SampledToken(tok, None)
+                        return out
                 logits = decode_logits(input_ids, input_pos, meta, self.kv_caches)
             if logits is None:
                 hidden = self.model(input_ids, input_pos, meta, self.kv_caches)

@@ -478,9 +478,11 @@ static void nb_linear_q_share(int bits, const uint16_t *x, const void *w, const 
  * model/llama.py, so its results are identical; what it saves is the Python between the
  * kernels, which is a third of a batch-1 decode step of a small model.
  *
- * In: x = the token embeddings [B, H]. Out: x and residual such that the final hidden
- * state is norm(x + residual). With `logits` given, the call goes on to that norm and the
- * language-model head, writing float32 logits [B, vocab] (residual then holds x + residual).
+ * In: x = the token embeddings [B, H] (or the token ids, whose embeddings the call looks
+ * up into x). Out: x and residual such that the final hidden state is norm(x + residual).
+ * With `logits` given, the call goes on to that norm and the language-model head, writing
+ * float32 logits [B, vocab] (residual then holds x + residual), and, with `argmax` too,
+ * each row's greedy token: then a greedy decode step is this one call.
  */
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [H] */
@@ -503,6 +505,7 @@ typedef struct {
      * the int4 group size, and the head's scales. */
     int64_t qbits, qgroup;
     const void *lm_head_scales;
+    const uint16_t *embed;  /* [vocab, H]: the token embeddings (for calls given token ids) */
 } nb_decoder;
 
 /* Kp of a quantized row of K inputs (ops/quant.py pads int8 to 16, int4 to the group). */
@@ -617,10 +620,22 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
 #undef NB_SYNC
 }
 
-void nb_decoder_decode(const nb_decoder *m, uint16_t *x, uint16_t *residual, float *logits,
-                       const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
-                       const int32_t *seq_lens, int64_t B, int64_t max_blocks, int nthreads) {
+static int64_t nb_argmax_row(const float *r, int64_t V);
+
+/* token_ids given: x is filled with their embeddings first (-1 if one is outside the
+ * vocabulary, and nothing runs). argmax given (with logits): each row's greedy token,
+ * as nb_argmax_f32 picks it. Returns 0. */
+int nb_decoder_decode(const nb_decoder *m, uint16_t *x, uint16_t *residual, float *logits,
+                      const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                      const int32_t *seq_lens, int64_t B, int64_t max_blocks, int nthreads,
+                      const int64_t *token_ids, int64_t *argmax) {
     const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
+    if (token_ids) {
+        for (int64_t b = 0; b < B; b++)
+            if (token_ids[b] < 0 || token_ids[b] >= m->vocab) return -1;
+        for (int64_t b = 0; b < B; b++)
+            memcpy(x + b * H, m->embed + token_ids[b] * H, (size_t)(H * 2));
+    }
     const int64_t nqkv = (m->num_heads + 2 * m->num_kv_heads) * D;
     uint16_t *h = (uint16_t *)aligned_alloc(64, ((B * H * 2 + 63) / 64) * 64);
     uint16_t *qkv = (uint16_t *)aligned_alloc(64, ((B * nqkv * 2 + 63) / 64) * 64);
@@ -650,6 +665,9 @@ void nb_decoder_decode(const nb_decoder *m, uint16_t *x, uint16_t *residual, flo
                           B <= 2 ? 1 : nthreads, row_threads, attn_threads);
     }
     free(h); free(qkv); free(attn); free(gu); free(act);
+    if (argmax && logits)
+        for (int64_t b = 0; b < B; b++) argmax[b] = nb_argmax_row(logits + b * m->vocab, m->vocab);
+    return 0;
 }
 
 /* ---- Greedy sampling: the index of each row's maximum --------------------------------
@@ -657,31 +675,30 @@ void nb_decoder_decode(const nb_decoder *m, uint16_t *x, uint16_t *residual, flo
  * As torch.argmax: the first index of the maximum, and a NaN counts as the maximum (the
  * first NaN wins). x: [N, V] float32.
  */
+static int64_t nb_argmax_row(const float *r, int64_t V) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < V; i += 16) {
+        const __mmask16 mk = nb_mask(V - i);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, r + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, v);
+    }
+    if (nan) {
+        for (int64_t i = 0; i < V; i++)
+            if (r[i] != r[i]) return i;
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (int64_t i = 0; i < V; i += 16) {
+        const __mmask16 hit = _mm512_mask_cmp_ps_mask(nb_mask(V - i), _mm512_loadu_ps(r + i), m, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return 0;
+}
+
 void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *r = x + n * V;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
-        for (int64_t i = 0; i < V; i += 16) {
-            const __mmask16 mk = nb_mask(V - i);
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, r + i);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            mx = _mm512_max_ps(mx, v);
-        }
-        int64_t best = 0;
-        if (nan) {
-            for (int64_t i = 0; i < V; i++)
-                if (r[i] != r[i]) { best = i; break; }
-        } else {
-            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-            for (int64_t i = 0; i < V; i += 16) {
-                const __mmask16 hit = _mm512_mask_cmp_ps_mask(nb_mask(V - i), _mm512_loadu_ps(r + i), m, _CMP_EQ_OQ);
-                if (hit) { best = i + __builtin_ctz(hit); break; }
-            }
-        }
-        out[n] = best;
-    }
+    for (int64_t n = 0; n < N; n++) out[n] = nb_argmax_row(x + n * V, V);
 }
 
 /* ---- Weight-only quantized linears: y[M, N] = x[M, K] @ dequant(W)^T (+ bias) ----------

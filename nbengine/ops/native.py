@@ -96,7 +96,7 @@ _SIGNATURES: dict[str, list[type]] = {
         _INT,
         _INT,
     ],
-    "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _P, _P],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
     "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
     "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
@@ -128,8 +128,10 @@ class NativeKernels:
         self._linear_q8 = lib.nb_linear_q8
         self._linear_q4 = lib.nb_linear_q4
         self._dequantize = lib.nb_dequantize_bf16
-        # Raw entry point of the whole-stack decode (model/decode_plan.py builds its arguments).
+        # Raw entry point of the whole-stack decode (model/decode_plan.py builds its arguments);
+        # it returns -1 for a token id outside the vocabulary.
         self.decoder_decode = lib.nb_decoder_decode
+        self.decoder_decode.restype = ctypes.c_int
 
     @staticmethod
     def _threads(rows: int) -> int:

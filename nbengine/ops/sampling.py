@@ -257,8 +257,23 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def _argmax_only(requests: Sequence[Request]) -> bool:
+    """Every request greedy, with no logits processing (penalties, bias, min_tokens,
+    allowed or bad words, processors): its token is the raw logits' argmax."""
+    return all(r.sampling_params.greedy and not _needs_processing(r) for r in requests)
+
+
 class Sampler:
     """Samples one token per row of logits for the given requests."""
+
+    @staticmethod
+    def argmax_suffices(requests: Sequence[Request]) -> bool:
+        """True when the tokens of ``requests`` are their logits' argmax and nothing else
+        is asked of the logits (no logprobs, no grammar): what a model may then compute
+        without handing the logits over (``decode_greedy``)."""
+        return _argmax_only(requests) and all(
+            r.grammar is None and r.sampling_params.logprobs is None for r in requests
+        )
 
     def __init__(self, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -303,11 +318,7 @@ class Sampler:
 
         x = logits  # the processed logits (the model's own on the fast path)
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if (
-            not constrained
-            and all(p.greedy for p in params)
-            and not any(_needs_processing(r) for r in requests)
-        ):
+        if not constrained and _argmax_only(requests):
             tokens = _argmax_rows(logits)  # fast path: no per-row work
         else:
             x = logits.clone()

@@ -237,18 +237,22 @@ def _twenty_then_alone(
     core: EngineCore, between: Callable[[], None] = lambda: None
 ) -> tuple[list[tuple[int, bool]], int]:
     """Run 20 greedy requests of 6 tokens together, call ``between``, then one request
-    alone; shut ``core`` down. Returns each decode step's (rows, whether the decode plan
-    ran it) and the tokens the 20 produced."""
+    alone; shut ``core`` down. Returns, for each decode step's calls into the model's plan
+    entry points (``decode_greedy``, then ``decode_logits`` if that declined), the rows
+    and whether the decode plan ran them; and the tokens the 20 produced."""
     model = core.runner.model
     rows_seen: list[tuple[int, bool]] = []
-    plan_logits = model.decode_logits
 
-    def decode_logits(input_ids: torch.Tensor, *args: object) -> torch.Tensor | None:
-        out = plan_logits(input_ids, *args)
-        rows_seen.append((input_ids.shape[0], out is not None))
-        return out
+    def spy(entry: Callable[..., object]) -> Callable[..., object]:
+        def call(input_ids: torch.Tensor, *args: object) -> object:
+            out = entry(input_ids, *args)
+            rows_seen.append((input_ids.shape[0], out is not None))
+            return out
 
-    model.decode_logits = decode_logits
+        return call
+
+    model.decode_greedy = spy(model.decode_greedy)
+    model.decode_logits = spy(model.decode_logits)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     produced = 0
     try:
@@ -314,4 +318,70 @@ def test_plan_is_rebuilt_for_new_cache_tensors(tmp_path: Path) -> None:
     second = model._decode_plan(copies)
     assert second is not None and second is not first
     assert second.cache_key == cache_key(copies) != first.cache_key
+    core.shutdown()
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_steps_are_one_call_with_the_samplers_tokens(
+    tmp_path: Path, quantization: str | None, threads: int
+) -> None:
+    """Greedy requests without logprobs take ``decode_greedy`` (the embedding lookup and
+    the argmax inside the plan's call): the same tokens as the module path and its
+    sampler, batch after batch; a request with logprobs still gets its logits."""
+    path = make_tiny_model(tmp_path / "m", "llama", weight_std=0.05, **PLAN_SHAPE)
+    results = []
+    for plans in (True, False):
+        torch.set_num_threads(threads)
+        core = EngineCore(
+            EngineConfig.from_kwargs(
+                path, dtype="bfloat16", block_size=4, quantization=quantization
+            )
+        )
+        model = core.runner.model
+        model.decode_plans_enabled = plans
+        calls: list[bool] = []  # per decode_greedy call: whether the plan ran the step
+
+        def counted(
+            *args: object,
+            greedy: Callable[..., list[int] | None] = model.decode_greedy,
+            calls: list[bool] = calls,
+        ) -> list[int] | None:
+            tokens = greedy(*args)
+            calls.append(tokens is not None)
+            return tokens
+
+        model.decode_greedy = counted
+        rng = random.Random(1)
+        for i in range(8):
+            prompt = [rng.randrange(3, 200) for _ in range(rng.randint(1, 12))]
+            lp = 1 if i == 7 else None  # the last one asks for logprobs
+            params = SamplingParams(
+                max_tokens=rng.randint(4, 16), temperature=0, ignore_eos=True, logprobs=lp
+            )
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params, time.time()))
+        got: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                assert (out.new_logprobs is not None) == (out.request_id == "r7")
+        core.shutdown()
+        assert any(calls) == plans, "only the plan runs greedy steps in one call"
+        results.append(got)
+    assert sum(map(len, results[0].values())) > 60 and results[0] == results[1]
+
+
+def test_greedy_call_rejects_a_token_outside_the_vocabulary(tmp_path: Path) -> None:
+    from nbengine.ops.attention import ChunkSpec, build_attention_metadata
+
+    path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
+    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
+    model = core.runner.model
+    plan = model._decode_plan(core.runner.kv_caches)
+    assert plan is not None and plan.has_greedy
+    meta = build_attention_metadata([ChunkSpec(0, 1, [0])], 4)
+    positions = torch.zeros(1, dtype=torch.int64)
+    assert len(plan.greedy(torch.tensor([5]), positions, meta)) == 1
+    with pytest.raises(IndexError, match="vocabulary"):
+        plan.greedy(torch.tensor([plan.vocab]), positions, meta)
     core.shutdown()
