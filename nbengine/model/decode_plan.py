@@ -11,10 +11,11 @@ With weight-only quantization (ops/quant.py) the plan runs the quantized kernels
 place of the bfloat16 ones, with the same per-call choices (rows below or above the tile
 threshold), so it stays bit-identical to the module path.
 
-A greedy step whose requests need nothing but the argmax (``DecodePlan.greedy``) is one
-call from token ids to tokens: the kernel looks up the embeddings and picks each row's
-greedy token itself (as the sampler's native argmax does), so no Python runs between the
-layers and the next token.
+With the head in the plan, a step is one call from token ids: the kernel looks up their
+embeddings itself (``DecodePlan.logits``), and for a greedy step whose requests need
+nothing but the argmax (``DecodePlan.greedy``) it picks each row's token too (as the
+sampler's native argmax does), so no Python runs between the token ids and the next
+tokens.
 
 A plan is built once per model and KV cache: it holds raw pointers to the model's packed
 weights and to the cache tensors, which stay alive and in place for the runner's life.
@@ -201,10 +202,11 @@ class DecodePlan:
             and model.norm.weight.dtype == torch.bfloat16
         )
         head_w, head_s = weights(head) if self.has_lm_head else (None, None)
-        # Greedy steps can be one call from token ids to tokens (``greedy``) when the
-        # embedding table is a plain bfloat16 matrix the kernel can read rows of.
+        # With the head in the plan, a step is one call from token ids (``logits``,
+        # ``greedy``) when the embedding table is a plain bfloat16 matrix the kernel can
+        # read rows of: a torch embedding lookup took 20-225 us a step on the core thread.
         embed = model.embed_tokens.weight
-        self.has_greedy = (
+        self.reads_token_ids = (
             self.has_lm_head and embed.dtype == torch.bfloat16 and embed.is_contiguous()
         )
         self._layers = layers  # referenced by the struct: keep alive
@@ -227,7 +229,7 @@ class DecodePlan:
             0 if mode is None else (8 if cast(QuantLinear, first).group_size is None else 4),
             (cast(QuantLinear, first).group_size or 0) if mode is not None else 0,
             head_s,
-            ptr(embed) if self.has_greedy else None,
+            ptr(embed) if self.reads_token_ids else None,
         )
         self.hidden = a.hidden_size
         self.vocab = a.vocab_size
@@ -245,15 +247,16 @@ class DecodePlan:
         return x, residual
 
     def logits(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """float32 logits ``[B, vocab]`` from embeddings ``x`` (needs ``has_lm_head``).
+        """float32 logits ``[B, vocab]`` from token ids ``input_ids [B]`` int64 (needs
+        ``reads_token_ids``).
 
         The result is this plan's scratch buffer: valid until its next call (the runner
         samples from it at once; see ``_scratch``)."""
-        assert self.has_lm_head
-        _, residual, logits, _ = self._scratch(x.shape[0])
-        self._call(x, residual, logits, positions, meta)
+        assert self.reads_token_ids
+        x, residual, logits, _ = self._scratch(input_ids.shape[0])
+        self._call(x, residual, logits, positions, meta, input_ids)
         return logits
 
     def greedy(
@@ -261,8 +264,8 @@ class DecodePlan:
     ) -> list[int]:
         """Each row's greedy next token (the logits' first maximum, as the sampler's argmax)
         from its token id ``input_ids [B]`` int64: embedding, layers, head and argmax in one
-        call (needs ``has_greedy``)."""
-        assert self.has_greedy
+        call (needs ``reads_token_ids``)."""
+        assert self.reads_token_ids
         x, residual, logits, tokens = self._scratch(input_ids.shape[0])
         self._call(x, residual, logits, positions, meta, input_ids, tokens)
         return tokens.tolist()

@@ -350,9 +350,9 @@ class LlamaForCausalLM(nn.Module):
         if not self._plan_may_run(meta, input_ids.shape[0]):
             return None
         plan = self._decode_plan(kv_caches)
-        if plan is None or not plan.has_lm_head:
+        if plan is None or not plan.reads_token_ids:
             return None
-        return plan.logits(self.embed_tokens(input_ids), positions, meta)
+        return plan.logits(input_ids, positions, meta)
 
     def decode_greedy(
         self,
@@ -366,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
         if not self._plan_may_run(meta, input_ids.shape[0]):
             return None
         plan = self._decode_plan(kv_caches)
-        if plan is None or not plan.has_greedy:
+        if plan is None or not plan.reads_token_ids:
             return None
         return plan.greedy(input_ids, positions, meta)
 

@@ -378,7 +378,7 @@ def test_greedy_call_rejects_a_token_outside_the_vocabulary(tmp_path: Path) -> N
     core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
     model = core.runner.model
     plan = model._decode_plan(core.runner.kv_caches)
-    assert plan is not None and plan.has_greedy
+    assert plan is not None and plan.reads_token_ids
     meta = build_attention_metadata([ChunkSpec(0, 1, [0])], 4)
     positions = torch.zeros(1, dtype=torch.int64)
     assert len(plan.greedy(torch.tensor([5]), positions, meta)) == 1
