@@ -347,12 +347,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | None:
         """float32 logits of every row of a decode-only step, from one native call (the
         layers, the final norm and lm_head); ``None`` where the plan cannot do it."""
-        if not self._plan_may_run(meta, input_ids.shape[0]):
-            return None
-        plan = self._decode_plan(kv_caches)
-        if plan is None or not plan.reads_token_ids:
-            return None
-        return plan.logits(input_ids, positions, meta)
+        plan = self._token_plan(meta, input_ids.shape[0], kv_caches)
+        return None if plan is None else plan.logits(input_ids, positions, meta)
 
     def decode_greedy(
         self,
@@ -363,12 +359,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> list[int] | None:
         """Each row's greedy next token of a decode-only step from one native call
         (embedding, layers, head, argmax); ``None`` where the plan cannot do it."""
-        if not self._plan_may_run(meta, input_ids.shape[0]):
+        plan = self._token_plan(meta, input_ids.shape[0], kv_caches)
+        return None if plan is None else plan.greedy(input_ids, positions, meta)
+
+    def _token_plan(
+        self, meta: AttentionMetadata, rows: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> DecodePlan | None:
+        """The decode plan, for a step it may run from token ids to logits (or tokens)."""
+        if not self._plan_may_run(meta, rows):
             return None
         plan = self._decode_plan(kv_caches)
-        if plan is None or not plan.reads_token_ids:
-            return None
-        return plan.greedy(input_ids, positions, meta)
+        return plan if plan is not None and plan.reads_token_ids else None
 
     def _plan_may_run(self, meta: AttentionMetadata, rows: int) -> bool:
         """A decode-only step the decode plan is allowed to take."""
