@@ -272,11 +272,10 @@ class DecodePlan:
 
     def _scratch(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scratch tensors for ``b`` rows (embeddings, residual, logits, tokens), kept from
-        one step to the next. A vocabulary of float32 logits is hundreds of KiB, which
-        glibc serves on the core thread (not the main thread: another malloc arena) from
-        memory it returns to the system when freed, so a fresh tensor page-faults on every
-        step: 0.2-0.3 ms a step in W2 (measured through an ``Engine``), where a kept one
-        costs nothing."""
+        one step to the next. Between kernels that stream tens of MiB through the caches,
+        torch's allocation path runs cold (docs/benchmarks.md, "Per-step overhead"): four
+        fresh tensors a step took about 0.2 ms of a W2 step through an ``Engine`` (not
+        page faults: the core thread's count did not change); kept ones cost nothing."""
         if self._scratch_rows < b:  # one set, sized for the largest step so far
             x = torch.empty(b, self.hidden, dtype=torch.bfloat16)
             self._buffers = (
