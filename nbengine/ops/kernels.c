@@ -332,11 +332,9 @@ static void nb_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_cac
     for (int64_t j = S; j < L; j += 16) {
         const int64_t n = L - j < 16 ? L - j : 16;
         const uint16_t *kr[16];
-        for (int64_t i = 0; i < 16; i++) {
+        for (int64_t i = 0; i < 16; i++) {  /* key j + i (past the end: the last key again) */
             kr[i] = k_cache + ((int64_t)table[blk] * block_size + off) * row + h * D;
-            if (i < n - 1 || (i == n - 1 && n == 16)) {
-                if (++off == block_size) { off = 0; blk++; }
-            }
+            if ((n == 16 || i < n - 1) && ++off == block_size) { off = 0; blk++; }
         }
         /* The next 16 keys' rows (in whichever blocks they lie): ask for them now. */
         if (j + 16 < L) {
