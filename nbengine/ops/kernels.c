@@ -284,24 +284,39 @@ static inline void nb_prefetch_block(const uint16_t *cache, int32_t block, int64
         for (int64_t c = 0; c < D * 2; c += 64) _mm_prefetch(base + o * row * 2 + c, _MM_HINT_T0);
 }
 
-/* The sums of 16 vectors' lanes, as one vector: lane i = the sum of v[i]'s 16 lanes (a
- * transpose-and-add tree: 45 instructions where 16 separate reductions take about 150). */
+/* Transpose-and-add trees: the sums of several vectors' lanes in one pass, where separate
+ * horizontal reductions take about three times the instructions.
+ *
+ * nb_sum4_by_lane: 128-bit lane j of the result holds the sums of lane j's four floats
+ * of v[0], v[1], v[2], v[3], in that order. */
+static inline __m512 nb_sum4_by_lane(const __m512 v[4]) {
+    /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 (and the same for c, d) */
+    const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]),
+                                                      _mm512_unpackhi_ps(v[0], v[1])));
+    const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]),
+                                                      _mm512_unpackhi_ps(v[2], v[3])));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+}
+
+/* Lane i = the sum of v[i]'s 16 lanes. */
 static inline __m512 nb_sum16x16(const __m512 v[16]) {
-    __m512 s1[8], s2[4];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
-        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: the lane's sum of 4 vectors */
-        const __m512d c = _mm512_castps_pd(s1[2 * i]), d = _mm512_castps_pd(s1[2 * i + 1]);
-        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
-                              _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
-    }
-    /* Lane j of s2[i] holds 128-bit lane j's sums of vectors 4i .. 4i + 3: add the four. */
-    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88),
-                                    _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
-    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88),
-                                    _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
+    __m512 s[4];
+    for (int i = 0; i < 4; i++) s[i] = nb_sum4_by_lane(v + 4 * i);
+    /* Add each s[i]'s four 128-bit lanes, keeping the four sums of s[i] in lane i. */
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88),
+                                    _mm512_shuffle_f32x4(s[0], s[1], 0xDD));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x88),
+                                    _mm512_shuffle_f32x4(s[2], s[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
+/* Lane i = the sum of v[i]'s 16 lanes, for four vectors. */
+static inline __m128 nb_sum4x16(const __m512 v[4]) {
+    const __m512 s = nb_sum4_by_lane(v);
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 /* Query heads h G + g0 .. h G + g1 - 1 (those of KV head h) of row b: the work item of
@@ -620,9 +635,9 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
 
 static int64_t nb_argmax_row(const float *r, int64_t V);
 
-/* token_ids given: x is filled with their embeddings first (-1 if one is outside the
- * vocabulary, and nothing runs). argmax given (with logits): each row's greedy token,
- * as nb_argmax_f32 picks it. Returns 0. */
+/* token_ids given: x is filled with their embeddings first. argmax given (with logits):
+ * each row's greedy token, as nb_argmax_f32 picks it. Returns 0, or -1 (and runs nothing)
+ * if a token id is outside the vocabulary. */
 int nb_decoder_decode(const nb_decoder *m, uint16_t *x, uint16_t *residual, float *logits,
                       const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                       const int32_t *seq_lens, int64_t B, int64_t max_blocks, int nthreads,
@@ -866,21 +881,6 @@ static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias
     if (bias) v += nb_bf16_to_f32(bias[n]);
     if (out_f32) ((float *)y)[off] = v;
     else ((uint16_t *)y)[off] = nb_f32_to_bf16(v);
-}
-
-/* The sums of 4 vectors' lanes: lane i = the sum of v[i]'s 16 lanes (one transpose-and-add
- * tree for the four, where four separate reductions take three times the instructions). */
-static inline __m128 nb_sum4x16(const __m512 v[4]) {
-    /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 (and the same for c, d) */
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
-    /* per 128-bit lane: the lane's sums of a, b, c, d */
-    const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 /* int8, output rows [n0, n0 + 4) (fewer at the end: n1), every input row. */
