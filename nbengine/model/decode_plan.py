@@ -23,14 +23,16 @@ weights and to the cache tensors, which stay alive and in place for the runner's
 Threads: with one or two sequences, the kernel splits every weight stream between the
 threads of one parallel region (one core cannot read memory at full speed). That is
 about a third faster on an idle machine and twice as slow when another process holds
-the second core, so ``ThreadChooser`` times both and keeps the faster, re-trying the other
-now and then. Both give the same values (each output is computed by one thread alone).
+the second core, so ``ThreadChooser`` times both and keeps the faster (by the median of
+recent steps), re-trying the other now and then. Both give the same values (each output
+is computed by one thread alone).
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
+from collections import deque
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -103,27 +105,46 @@ class _Decoder(ctypes.Structure):
 
 
 class ThreadChooser:
-    """Picks 1 or ``n`` threads by their recent timings (an exponential moving average),
-    trying the slower choice once every ``probe_every`` calls in case the machine changed."""
+    """Picks 1 or ``n`` threads for the plan's small steps by their recent timings.
 
-    def __init__(self, probe_every: int = 64) -> None:
+    Each choice keeps its last ``window`` step times and is judged by their median: one
+    slow step (a first call that pays for page faults and the thread pool's start, or a
+    step during which another thread of this process took a core, so the plan's spinning
+    partner waited) cannot turn the choice. Both choices are timed ``min_samples`` times
+    before either is preferred; after that the slower one is re-timed once every
+    ``probe_every`` calls, in case the machine changed.
+
+    (An exponential average of all timings, the first version, let one such step keep a
+    two-thread plan on one thread for hundreds of steps: a fresh engine decoded W2 at
+    anything from 1x to 1.5x its speed, depending on its first few steps.)
+    """
+
+    def __init__(self, probe_every: int = 64, window: int = 5, min_samples: int = 3) -> None:
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"min_samples must be in 1..window, got {min_samples}")
         self.probe_every = probe_every
-        self.seconds: dict[int, float] = {}
+        self.min_samples = min_samples
+        self.samples: dict[int, deque[float]] = {}
+        self.window = window
         self.calls = 0
 
     def choose(self, n: int) -> int:
         if n <= 1:
             return 1
         self.calls += 1
-        for option in (n, 1):
-            if option not in self.seconds:
-                return option
-        fast, slow = sorted((n, 1), key=lambda k: self.seconds[k])
+        counts = {k: len(self.samples.get(k, ())) for k in (n, 1)}
+        if min(counts.values()) < self.min_samples:  # still timing both: alternate
+            return n if counts[n] <= counts[1] else 1
+        fast, slow = sorted((n, 1), key=lambda k: _median(self.samples[k]))
         return slow if self.calls % self.probe_every == 0 else fast
 
     def record(self, threads: int, seconds: float) -> None:
-        old = self.seconds.get(threads)
-        self.seconds[threads] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.samples.setdefault(threads, deque(maxlen=self.window)).append(seconds)
+
+
+def _median(values: deque[float]) -> float:
+    """The middle value (the upper one of the two middles for an even count)."""
+    return sorted(values)[len(values) // 2]
 
 
 class DecodePlan:

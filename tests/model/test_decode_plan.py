@@ -163,16 +163,37 @@ def test_sliding_window_model_decodes_through_the_plan(tmp_path: Path) -> None:
 def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
     from nbengine.model.decode_plan import ThreadChooser
 
-    chooser = ThreadChooser(probe_every=4)
+    times = {2: 0.0025, 1: 0.0038}  # two threads faster, as on an idle machine
+    chooser = ThreadChooser(probe_every=4, window=5, min_samples=3)
     assert chooser.choose(1) == 1  # nothing to choose on one thread
-    first, second = chooser.choose(2), None
-    chooser.record(first, 0.010)
-    second = chooser.choose(2)
-    assert {first, second} == {1, 2}, "both are timed before either is preferred"
-    chooser.record(second, 0.020 if second == 2 else 0.005)
-    fast = 1 if second == 1 else first
-    picks = [chooser.choose(2) for _ in range(8)]
-    assert picks.count(fast) == 6 and len(set(picks)) == 2, picks
+    first = []
+    for i in range(6):
+        k = chooser.choose(2)
+        first.append(k)
+        # the very first two-thread step is slow (the pool's start): it must not count
+        chooser.record(k, 0.050 if i == 0 else times[k])
+    assert sorted(first) == [1, 1, 1, 2, 2, 2], "both are timed before either is preferred"
+    picks = []
+    for _ in range(8):
+        k = chooser.choose(2)
+        picks.append(k)
+        chooser.record(k, times[k])
+    assert picks.count(2) == 6 and picks.count(1) == 2, picks  # the slower one probed
+
+    # One slow two-thread step (another thread took a core for a moment) turns nothing.
+    chooser.record(2, 0.020)
+    picks = [chooser.choose(2) for _ in range(4)]
+    assert picks.count(2) == 3, picks  # (and one probe of the other)
+
+    # A lasting change (another process holds the second core) turns the choice.
+    for _ in range(3):
+        chooser.record(2, 0.008)
+    picks = []
+    for _ in range(8):
+        k = chooser.choose(2)
+        picks.append(k)
+        chooser.record(k, 0.008 if k == 2 else times[1])
+    assert picks.count(1) == 6, picks
 
 
 # Nine query heads on three KV heads: split between two threads, the attention's share
@@ -203,7 +224,7 @@ def test_single_sequence_split_across_threads_matches(
                 ]
         plan = core.runner.model._plan
         if plans:
-            assert plan is not None and set(plan.threads.seconds) == {1, 2}
+            assert plan is not None and set(plan.threads.samples) == {1, 2}
         results.append(got)
         core.shutdown()
     assert len(results[0]) == 12 and results[0] == results[1]
