@@ -127,19 +127,33 @@ class ThreadChooser:
         self.samples: dict[int, deque[float]] = {}
         self.window = window
         self.calls = 0
+        self._kept = 0  # the faster choice by the medians; 0 while both are being timed
+        self._probe_again = False
 
     def choose(self, n: int) -> int:
         if n <= 1:
             return 1
         self.calls += 1
-        counts = {k: len(self.samples.get(k, ())) for k in (n, 1)}
-        if min(counts.values()) < self.min_samples:  # still timing both: alternate
+        if self._kept not in (0, 1, n):  # the thread count changed: time both again
+            self.samples.clear()
+            self._kept = 0
+        if not self._kept:  # still timing both: alternate
+            counts = {k: len(self.samples.get(k, ())) for k in (n, 1)}
             return n if counts[n] <= counts[1] else 1
-        fast, slow = sorted((n, 1), key=lambda k: _median(self.samples[k]))
-        return slow if self.calls % self.probe_every == 0 else fast
+        other = 1 if self._kept == n else n
+        probe = self._probe_again or self.calls % self.probe_every == 0
+        return other if probe else self._kept
 
     def record(self, threads: int, seconds: float) -> None:
-        self.samples.setdefault(threads, deque(maxlen=self.window)).append(seconds)
+        samples = self.samples.setdefault(threads, deque(maxlen=self.window))
+        samples.append(seconds)
+        if len(self.samples) < 2 or min(map(len, self.samples.values())) < self.min_samples:
+            return
+        probing = bool(self._kept) and threads != self._kept
+        self._kept = kept = min(self.samples, key=lambda k: _median(self.samples[k]))
+        # A probe faster than the kept choice's median is repeated at once: after a busy
+        # spell the choice turns back within a few steps instead of a few probes' worth.
+        self._probe_again = probing and threads != kept and seconds < _median(self.samples[kept])
 
 
 def _median(values: deque[float]) -> float:

@@ -195,6 +195,17 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
         chooser.record(k, 0.008 if k == 2 else times[1])
     assert picks.count(1) == 6, picks
 
+    # Quiet again: the first probe that beats the kept choice is repeated at once, so
+    # two threads are back after three steps, not three probes apart.
+    picks = []
+    for _ in range(8):
+        k = chooser.choose(2)
+        picks.append(k)
+        chooser.record(k, times[k])
+    first_probe = picks.index(2)
+    assert picks[first_probe : first_probe + 4] == [2, 2, 2, 2], picks
+    assert picks.count(2) == 6, picks  # kept, and the other probed every 4 calls
+
 
 # Nine query heads on three KV heads: split between two threads, the attention's share
 # of one thread ends inside a KV head's group.
