@@ -7,9 +7,14 @@ import sys as _sys
 # OpenMP worker threads that spin while waiting make every torch op 10-25x slower
 # whenever another process (or the notebook's own threads) wants the same cores, as
 # on any shared machine; sleeping waiters cost little on an idle one (docs/benchmarks.md).
-# This only takes effect if torch has not been imported yet; an explicit setting wins.
-if "torch" not in _sys.modules:
-    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A short spin before sleeping (about 0.1 ms) saves the wake-up between the parallel
+# regions of one step (nbengine/ops/openmp.py). This only takes effect if torch has not
+# been imported yet; an explicit setting wins.
+if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
+    from nbengine.ops.openmp import PASSIVE_SPINCOUNT as _SPINCOUNT
+
+    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _os.environ.setdefault("GOMP_SPINCOUNT", _SPINCOUNT)
 
 from nbengine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nbengine.frontend.engine import Engine

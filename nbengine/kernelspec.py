@@ -6,7 +6,8 @@ It runs ``ipykernel`` in the interpreter that has nbengine, with:
 - ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``: the CPUs this process may use (its
   affinity), derived at install time; one OpenMP pool sized to the machine;
 - ``OMP_WAIT_POLICY=PASSIVE``: idle OpenMP workers sleep instead of spinning, so the
-  notebook's own thread and the engine's loop thread keep a core (docs/architecture.md);
+  notebook's own thread and the engine's loop thread keep a core (docs/architecture.md),
+  after a spin of about 0.1 ms (``GOMP_SPINCOUNT``, nbengine/ops/openmp.py);
 - ``PYTHONHASHSEED=0`` and ``TOKENIZERS_PARALLELISM=false``: stable notebook outputs
   (nbval compares them) and no tokenizer thread pool forked under the kernel.
 """
@@ -19,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from nbengine.ops.openmp import PASSIVE_SPINCOUNT
 
 KERNEL_NAME = "nbengine"
 DISPLAY_NAME = "Python 3 (nbengine)"
@@ -45,6 +48,7 @@ def kernel_spec(python: str | None = None, threads: int | None = None) -> dict[s
             "OMP_NUM_THREADS": n,
             "MKL_NUM_THREADS": n,
             "OMP_WAIT_POLICY": "PASSIVE",
+            "GOMP_SPINCOUNT": PASSIVE_SPINCOUNT,
         },
         "metadata": {"debugger": False},
     }

@@ -12,6 +12,7 @@ import pytest
 from nbengine.bench import TARGETS, BenchConfig, format_report, make_workloads, run_bench
 from nbengine.bench.report import median_run, spread_warnings
 from nbengine.cli import main
+from nbengine.ops.openmp import PASSIVE_SPINCOUNT
 from nbengine.testing import make_tiny_model
 
 # Every measurement starts a fresh process (torch, transformers, the model): about two
@@ -68,6 +69,7 @@ def test_every_run_has_a_fresh_process_with_the_same_settings(report: dict) -> N
     assert len(set(pids)) == len(pids) and os.getpid() not in pids
     proc = report["machine"]["engine_process"]
     assert proc["env"]["OMP_WAIT_POLICY"] == report["config"]["omp_wait_policy"] == "PASSIVE"
+    assert proc["env"]["GOMP_SPINCOUNT"] == PASSIVE_SPINCOUNT  # a short spin, then sleep
     assert proc["torch_threads"] == report["config"]["threads"]
     assert not any("different settings" in w for w in report["warnings"])
     for r in runs:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nbengine.bench.worker import Job, job_json
+from nbengine.ops.openmp import PASSIVE_SPINCOUNT
 
 __all__ = ["engine_environment", "run_isolated"]
 
@@ -41,6 +42,12 @@ def engine_environment(threads: int, wait_policy: str) -> dict[str, str]:
     root = str(Path(nbengine.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env["OMP_WAIT_POLICY"] = wait_policy
+    # nbengine's short spin before sleeping goes with PASSIVE only: libgomp's explicit
+    # spin count would otherwise cut ACTIVE's endless one short (ops/openmp.py).
+    if wait_policy.upper() == "PASSIVE":
+        env.setdefault("GOMP_SPINCOUNT", PASSIVE_SPINCOUNT)
+    elif env.get("GOMP_SPINCOUNT") == PASSIVE_SPINCOUNT:
+        del env["GOMP_SPINCOUNT"]
     env["OMP_NUM_THREADS"] = str(threads)
     env["MKL_NUM_THREADS"] = str(threads)
     return env

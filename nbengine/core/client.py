@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from nbengine.core.messages import EngineCoreMessage, EngineCoreOutputs, MessageType
+from nbengine.ops.openmp import release_thread_pool
 
 if TYPE_CHECKING:
     from nbengine.config import EngineConfig
@@ -119,6 +120,10 @@ class InprocCoreClient(CoreClient):
         from nbengine.core.engine_core import EngineCore
 
         self.core: EngineCore = EngineCore(config, runner)
+        # The model was loaded on this (the caller's) thread and computes on the core
+        # thread: ending this thread's OpenMP pool leaves the core thread's the only one,
+        # so its idle workers spin between a step's parallel regions (ops/openmp.py).
+        release_thread_pool()
         r = self.core.runner
         self.vocab_size = int(r.vocab_size)
         self.max_model_len = int(getattr(self.core, "max_model_len", r.max_model_len))
