@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from nbengine.bench import TARGETS, BenchConfig, format_report, make_workloads, run_bench
+from nbengine.bench.machine import last_level_cache_mib
 from nbengine.bench.report import median_run, spread_warnings
 from nbengine.cli import main
 from nbengine.ops.openmp import PASSIVE_SPINCOUNT
@@ -140,6 +141,7 @@ def test_machine_abort_and_targets(report: dict) -> None:
     m = report["machine"]
     assert _positive(m["bandwidth_gb_s"]) and _positive(m["matmul_gflop_s"])
     assert m["load_average_start"] is not None
+    assert m["last_level_cache_mib"] == last_level_cache_mib()
     a = report["abort"]
     assert a["num_aborts"] >= 1 and _positive(a["p50_ms"]) and a["p99_ms"] >= a["p50_ms"]
     assert set(report["targets"]) == set(TARGETS)
@@ -149,6 +151,26 @@ def test_machine_abort_and_targets(report: dict) -> None:
     text = format_report(report)
     for needle in ("W1", "W2", "W3", "hf_cb", "abort()", "GB/s", "targets:"):
         assert needle in text
+
+
+def test_last_level_cache_is_the_largest_data_cache(tmp_path: Path) -> None:
+    for index, (level, kind, size) in enumerate(
+        [
+            ("1", "Data", "48K"),
+            ("1", "Instruction", "64K"),
+            ("2", "Unified", "2048K"),
+            ("3", "Unified", "491520K"),
+        ]
+    ):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "type").write_text(kind + "\n")
+        (d / "size").write_text(size + "\n")
+    assert last_level_cache_mib(str(tmp_path)) == 480
+    (tmp_path / "index3" / "type").write_text("Instruction\n")  # only data caches count
+    assert last_level_cache_mib(str(tmp_path)) == 2
+    assert last_level_cache_mib(str(tmp_path / "missing")) is None
 
 
 def test_workloads_are_deterministic() -> None:

@@ -122,6 +122,37 @@ def cpu_model() -> str:
     return platform.machine()
 
 
+def last_level_cache_mib(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The size of CPU 0's largest data or unified cache in MiB (Linux sysfs), else None.
+
+    Worth recording with every figure: weights that fit in it are read faster than the
+    copy probe's bandwidth, so a model of that size can run above its bandwidth bound,
+    and the same VM has come up on hosts with 300 and 480 MiB (docs/benchmarks.md).
+    """
+    sizes: list[int] = []
+    try:
+        entries = sorted(os.listdir(cache_dir))
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(cache_dir, entry, "type"), encoding="utf-8") as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(cache_dir, entry, "size"), encoding="utf-8") as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        scale = units.get(size[-1:].upper(), 1)
+        digits = size[:-1] if size[-1:].upper() in units else size
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) >> 20 if sizes else None
+
+
 def cpu_flags() -> list[str]:
     """The matmul-relevant CPU flags of this machine (from /proc/cpuinfo)."""
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "fma")

@@ -190,7 +190,8 @@ def format_report(report: dict[str, Any]) -> str:
         + f"), scale {cfg['scale']}, "
         f"repeats {cfg['repeats']}",
         f"machine: {m.get('cpu_model', '?')}, {m['cpu_count']} CPUs, "
-        f"flags {' '.join(m['cpu_flags'])}, torch {m['torch']} "
+        + (f"L3 {m['last_level_cache_mib']} MiB, " if m.get("last_level_cache_mib") else "")
+        + f"flags {' '.join(m['cpu_flags'])}, torch {m['torch']} "
         f"({m['torch_threads']} threads), transformers {m['transformers']}",
         f"every run in a fresh process: {m.get('engine_process', {}).get('torch_threads', '?')} "
         f"torch threads, OMP_WAIT_POLICY={cfg.get('omp_wait_policy')}, a warm-up first",

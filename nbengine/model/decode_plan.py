@@ -107,27 +107,38 @@ class _Decoder(ctypes.Structure):
 class ThreadChooser:
     """Picks 1 or ``n`` threads for the plan's small steps by their recent timings.
 
-    Each choice keeps its last ``window`` step times and is judged by their median: one
-    slow step (a first call that pays for page faults and the thread pool's start, or a
-    step during which another thread of this process took a core, so the plan's spinning
-    partner waited) cannot turn the choice. Both choices are timed ``min_samples`` times
-    before either is preferred; after that the slower one is re-timed once every
-    ``probe_every`` calls, in case the machine changed.
+    Each choice keeps its last ``window`` step times and is judged by their mean without
+    the slowest one: one slow step (a first call that pays for page faults and the thread
+    pool's start) cannot turn the choice, and neither can the scattered slow steps of a
+    two-thread plan whose spinning partner lost its core for a moment to another thread
+    of this process, as long as its steps stay faster on average. Both choices are timed
+    ``min_samples`` times before either is preferred; after that the slower one is
+    re-timed (probed) in case the machine changed: ``first_probe`` calls after the choice
+    turned, then at twice the previous distance after each probe that changed nothing, up
+    to every ``probe_every`` calls. So a choice made during a busy spell of a few hundred
+    milliseconds is undone soon after it, and a lasting one costs a probe in 64 steps.
 
-    (An exponential average of all timings, the first version, let one such step keep a
-    two-thread plan on one thread for hundreds of steps: a fresh engine decoded W2 at
-    anything from 1x to 1.5x its speed, depending on its first few steps.)
+    (An exponential average of all timings, the first version, let one slow step keep a
+    two-thread plan on one thread for hundreds of steps; the median of five, the second,
+    turned to one thread whenever three of five two-thread steps were slow, which on two
+    CPUs shared with the engine's other threads happened every few hundred steps, and
+    stayed there until the next probe: W2 bf16 repeats ran at 10.5 or 20 ms a token.)
     """
 
-    def __init__(self, probe_every: int = 64, window: int = 5, min_samples: int = 3) -> None:
-        if not 1 <= min_samples <= window:
-            raise ValueError(f"min_samples must be in 1..window, got {min_samples}")
+    def __init__(
+        self, probe_every: int = 64, window: int = 8, min_samples: int = 3, first_probe: int = 8
+    ) -> None:
+        if not 2 <= min_samples <= window:
+            raise ValueError(f"min_samples must be in 2..window, got {min_samples}")
         self.probe_every = probe_every
+        self.first_probe = min(first_probe, probe_every)
+        self._distance = self.first_probe  # calls from one probe to the next
+        self._next_probe = 0  # the call that probes next, once a choice is kept
         self.min_samples = min_samples
         self.samples: dict[int, deque[float]] = {}
         self.window = window
         self.calls = 0
-        self._kept = 0  # the faster choice by the medians; 0 while both are being timed
+        self._kept = 0  # the faster choice by the scores; 0 while both are being timed
         self._probe_again = False
 
     def choose(self, n: int) -> int:
@@ -141,24 +152,35 @@ class ThreadChooser:
             counts = {k: len(self.samples.get(k, ())) for k in (n, 1)}
             return n if counts[n] <= counts[1] else 1
         other = 1 if self._kept == n else n
-        probe = self._probe_again or self.calls % self.probe_every == 0
-        return other if probe else self._kept
+        if self._probe_again:
+            return other
+        if self.calls >= self._next_probe:
+            self._next_probe = self.calls + self._distance
+            return other
+        return self._kept
 
     def record(self, threads: int, seconds: float) -> None:
         samples = self.samples.setdefault(threads, deque(maxlen=self.window))
         samples.append(seconds)
         if len(self.samples) < 2 or min(map(len, self.samples.values())) < self.min_samples:
             return
-        probing = bool(self._kept) and threads != self._kept
-        self._kept = kept = min(self.samples, key=lambda k: _median(self.samples[k]))
-        # A probe faster than the kept choice's median is repeated at once: after a busy
+        before = self._kept
+        probing = bool(before) and threads != before
+        self._kept = kept = min(self.samples, key=lambda k: _score(self.samples[k]))
+        # A probe faster than the kept choice's score is repeated at once: after a busy
         # spell the choice turns back within a few steps instead of a few probes' worth.
-        self._probe_again = probing and threads != kept and seconds < _median(self.samples[kept])
+        self._probe_again = probing and threads != kept and seconds < _score(self.samples[kept])
+        if kept != before:  # a new choice (or the first): probe soon
+            self._distance = self.first_probe
+            self._next_probe = self.calls + self._distance
+        elif probing and not self._probe_again:  # a probe that changed nothing: back off
+            self._distance = min(2 * self._distance, self.probe_every)
+            self._next_probe = self.calls + self._distance
 
 
-def _median(values: deque[float]) -> float:
-    """The middle value (the upper one of the two middles for an even count)."""
-    return sorted(values)[len(values) // 2]
+def _score(values: deque[float]) -> float:
+    """The mean without the largest value (at least two values)."""
+    return (sum(values) - max(values)) / (len(values) - 1)
 
 
 class DecodePlan:
