@@ -202,16 +202,20 @@ def test_core_thread_vanishing_silently(tiny_model: Path) -> None:
     core = engine._core
     real_step = core.step
     calls = {"n": 0}
+    # The thread vanishes once both requests are in: counting steps alone raced with the
+    # second generate(), which a fast core could outrun (it then raised EngineDeadError).
+    submitted = threading.Event()
 
     def vanishing_step() -> Any:
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] >= 3 and submitted.is_set():
             raise SystemExit("gone")
         return real_step()
 
     core.step = vanishing_step  # type: ignore[method-assign]
     try:
         handles = [engine.generate(f"Prompt {i}", long_params()) for i in range(2)]
+        submitted.set()
         for h in handles:
             with pytest.raises(nb.EngineDeadError):
                 h.result(timeout=WAIT_S)
