@@ -23,9 +23,9 @@ weights and to the cache tensors, which stay alive and in place for the runner's
 Threads: with one or two sequences, the kernel splits every weight stream between the
 threads of one parallel region (one core cannot read memory at full speed). That is
 about a third faster on an idle machine and twice as slow when another process holds
-the second core, so ``ThreadChooser`` times both and keeps the faster (by the median of
-recent steps), re-trying the other now and then. Both give the same values (each output
-is computed by one thread alone).
+the second core, so ``ThreadChooser`` times both and keeps the faster (by the mean of
+its recent steps without the slowest), re-trying the other now and then. Both give the
+same values (each output is computed by one thread alone).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class ThreadChooser:
     (An exponential average of all timings, the first version, let one slow step keep a
     two-thread plan on one thread for hundreds of steps; the median of five, the second,
     turned to one thread whenever three of five two-thread steps were slow, which on two
-    CPUs shared with the engine's other threads happened every few hundred steps, and
+    CPUs shared with the engine's other threads happened every hundred steps or so, and
     stayed there until the next probe: W2 bf16 repeats ran at 10.5 or 20 ms a token.)
     """
 
