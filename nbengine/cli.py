@@ -114,19 +114,24 @@ def run_demo(model: str | None = None, max_tokens: int = 48, out: TextIO = sys.s
             threads.append(thread)
             return track
 
+        # The one we cancel may write at length (the shipped model decodes about a thousand
+        # tokens a second, so with the others' budget it could finish before the abort).
+        long_params = nb.SamplingParams(temperature=0.0, max_tokens=8 * max_tokens)
         for rid, prompt in DEMO_PROMPTS.items():
-            start(rid, prompt, params, attempt=1)
+            start(rid, prompt, long_params if rid == CANCEL_ID else params, attempt=1)
         # Let the one we cancel produce some text, then abort it through the protocol:
         # engine.abort() returns only once the core has freed the request.
         victim = next(t for t in tracks if t.request_id == CANCEL_ID)
         drawn = 0
+        last_drawn = 0.0
         while True:
             with victim.lock:
                 if victim.num_tokens >= 8 or victim.end is not None:
                     break
-            if live:
+            if live and time.monotonic() - last_drawn >= 0.05:
                 drawn = _render(out, tracks, drawn)
-            time.sleep(0.05)
+                last_drawn = time.monotonic()
+            time.sleep(0.002)
         t_abort = time.monotonic()
         engine.abort(CANCEL_ID)
         abort_ms = (time.monotonic() - t_abort) * 1000
@@ -142,10 +147,17 @@ def run_demo(model: str | None = None, max_tokens: int = 48, out: TextIO = sys.s
             for line in _status_lines(tracks, width=100):
                 out.write(line + "\n")
 
-    out.write(
-        f"\nCancelled {CANCEL_ID!r}: abort() returned after {abort_ms:.1f} ms, once the core "
-        "had confirmed the release; the id was reused at once.\n\n"
-    )
+    if victim.finish_reason == "abort":
+        out.write(
+            f"\nCancelled {CANCEL_ID!r} after {victim.num_tokens} tokens: abort() returned after "
+            f"{abort_ms:.1f} ms, once the core had confirmed the release; the id was reused "
+            "at once.\n\n"
+        )
+    else:  # it ended on its own first: abort() of a finished request returns at once
+        out.write(
+            f"\n{CANCEL_ID!r} finished ({victim.finish_reason}) before the abort reached it; "
+            f"abort() returned after {abort_ms:.1f} ms and the id was reused at once.\n\n"
+        )
     out.write(f"{'request':<12}{'finish':<8}{'tokens':>7}{'TTFT ms':>10}{'tok/s':>8}  text\n")
     for t in tracks:
         ttft = (t.first_token_at - t.start) * 1000 if t.first_token_at else float("nan")

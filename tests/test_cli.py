@@ -124,3 +124,15 @@ def test_bench_report_formats_figures_for_people() -> None:
     assert "1.23, 0.50, 0.25" in text and "3.99, 1.00, 0.50" in text
     assert "1.2345678901234" not in text
     assert "145%!" in text and "faster than the bound" in text
+
+
+def test_demo_cancels_mid_stream_and_reuses_the_id() -> None:
+    # The README's first command, as a person reads it: the cancelled request ends by the
+    # abort, partway through, and its id streams a new request right after.
+    done = nbengine("demo")
+    assert done.returncode == 0, done.stderr
+    lines = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
+    assert lines["imports"][1] == "abort", done.stdout  # the finish column
+    assert 0 < int(lines["imports"][2]) < 8 * 48, done.stdout  # cut short
+    assert lines["imports#2"][1] in ("stop", "length"), done.stdout
+    assert "Cancelled 'imports' after" in done.stdout, done.stdout
