@@ -446,9 +446,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--omp-wait-policy",
-        default="PASSIVE",
+        default=None,
         choices=("PASSIVE", "ACTIVE"),
-        help="OMP_WAIT_POLICY of every engine's process (PASSIVE is what import nbengine sets)",
+        help="OMP_WAIT_POLICY of every engine's process (default: each engine's faster one, "
+        "ACTIVE for ct2, PASSIVE for the others)",
     )
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")

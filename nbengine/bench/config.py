@@ -8,7 +8,14 @@ from typing import Any
 
 from nbengine.bench.workloads import ALL_WORKLOADS
 
-__all__ = ["ALL_ENGINES", "BenchConfig", "DEFAULT_ENGINES", "PEER_ENGINES", "peer_engines"]
+__all__ = [
+    "ALL_ENGINES",
+    "BenchConfig",
+    "DEFAULT_ENGINES",
+    "ENGINE_WAIT_POLICY",
+    "PEER_ENGINES",
+    "peer_engines",
+]
 
 # ct2: CTranslate2, an optional peer (pip install ctranslate2), not run by default;
 # llamacpp: llama.cpp through llama-cpp-python (built from source by the bench extra).
@@ -16,6 +23,20 @@ ALL_ENGINES = ("nbengine", "hf_static", "hf_cb", "ct2", "llamacpp")
 DEFAULT_ENGINES = ("nbengine", "hf_static", "hf_cb")
 # `nbengine bench --peers`: nbengine and every peer (those whose package is installed).
 PEER_ENGINES = ALL_ENGINES
+# The OMP_WAIT_POLICY each engine's processes get unless one policy is asked for all:
+# its faster one, as measured on this machine (docs/benchmarks.md, "Each engine's wait
+# policy"). CTranslate2's OpenMP workers sleeping between its ops cost it 2-3.6x; nbengine
+# is faster with PASSIVE (its threads need the cores spinning workers would hold);
+# llama.cpp measured the same under both; the transformers baselines get what a notebook
+# with nbengine gets (PASSIVE: under load, spinning workers slowed hf_cb tenfold).
+ENGINE_WAIT_POLICY = {
+    "nbengine": "PASSIVE",
+    "hf_static": "PASSIVE",
+    "hf_cb": "PASSIVE",
+    "ct2": "ACTIVE",
+    "llamacpp": "PASSIVE",
+}
+WAIT_POLICIES = ("PASSIVE", "ACTIVE")
 # The Python package each optional engine needs.
 _ENGINE_PACKAGES = {
     "hf_static": "transformers",
@@ -47,9 +68,10 @@ class BenchConfig:
     ``model_dir`` None builds the SmolLM2-135M-shaped random model into ``cache_dir``
     (default ``$NBENGINE_CACHE/bench``). ``engine_kwargs`` are extra ``nb.Engine``
     arguments on top of the bench's (64 sequences, 512 batched tokens). ``threads`` is
-    the torch thread count of every engine alike (None: the physical cores), and
-    ``omp_wait_policy`` the ``OMP_WAIT_POLICY`` of every engine's process (PASSIVE, what
-    ``import nbengine`` sets when nothing else has, is what a notebook gets).
+    the torch thread count of every engine alike (None: the physical cores).
+    ``omp_wait_policy`` is the ``OMP_WAIT_POLICY`` of every engine's process, or None for
+    each engine's own faster one (``ENGINE_WAIT_POLICY``; ``wait_policy(engine)`` says
+    which an engine gets).
     ``quantization`` runs nbengine with quantized weights (``nb.Engine(quantization=)``;
     the transformers engines stay in ``dtype``) and counts the quantized weight bytes in
     the bandwidth bound. ``scale`` shrinks every workload (0.1 for a smoke run). A figure
@@ -70,7 +92,7 @@ class BenchConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | Path | None = None
     threads: int | None = None
-    omp_wait_policy: str = "PASSIVE"
+    omp_wait_policy: str | None = None
     max_spread: float = 0.10
 
     def __post_init__(self) -> None:
@@ -93,12 +115,17 @@ class BenchConfig:
                 )
         if self.scale <= 0:
             raise ValueError(f"scale must be positive, got {self.scale}.")
-        if self.omp_wait_policy not in ("PASSIVE", "ACTIVE"):
+        if self.omp_wait_policy is not None and self.omp_wait_policy not in WAIT_POLICIES:
             raise ValueError(
-                f"omp_wait_policy must be PASSIVE or ACTIVE, got {self.omp_wait_policy!r}."
+                f"omp_wait_policy must be PASSIVE, ACTIVE or None (each engine's own), "
+                f"got {self.omp_wait_policy!r}."
             )
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}.")
+
+    def wait_policy(self, engine: str) -> str:
+        """The ``OMP_WAIT_POLICY`` of ``engine``'s processes in this run."""
+        return self.omp_wait_policy or ENGINE_WAIT_POLICY[engine]
 
     @property
     def measure_large(self) -> bool:

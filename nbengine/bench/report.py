@@ -180,6 +180,17 @@ def _of_bound(frac: float | None) -> str:
     return f"{100 * frac:.0f}%" + ("!" if frac > 1.0 else "")
 
 
+def _wait_policies(cfg: dict[str, Any]) -> str:
+    """``PASSIVE`` when one policy is every engine's, else each engine's, grouped."""
+    policies: dict[str, str] = cfg.get("omp_wait_policies") or {}
+    if cfg.get("omp_wait_policy") or len(set(policies.values())) <= 1:
+        return str(cfg.get("omp_wait_policy") or next(iter(policies.values()), "?"))
+    by_policy: dict[str, list[str]] = {}
+    for engine, policy in policies.items():
+        by_policy.setdefault(policy, []).append(engine)
+    return "; ".join(f"{p} for {', '.join(es)}" for p, es in by_policy.items())
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as a plain-text table."""
     m = report["machine"]
@@ -194,7 +205,7 @@ def format_report(report: dict[str, Any]) -> str:
         + f"flags {' '.join(m['cpu_flags'])}, torch {m['torch']} "
         f"({m['torch_threads']} threads), transformers {m['transformers']}",
         f"every run in a fresh process: {m.get('engine_process', {}).get('torch_threads', '?')} "
-        f"torch threads, OMP_WAIT_POLICY={cfg.get('omp_wait_policy')}, a warm-up first",
+        f"torch threads, OMP_WAIT_POLICY {_wait_policies(cfg)}, a warm-up first",
         f"load average (1, 5, 15 min): {_load(m['load_average_start'])} at the start, "
         f"{_load(m['load_average_end'])} at the end",
         f"memory bandwidth (copy) {m['bandwidth_gb_s']:.1f} GB/s; matmul "

@@ -1,7 +1,8 @@
 """``run_bench``: every engine on every workload, the machine, the bound, one report.
 
 Every measurement (one repeat of one engine on one workload) runs in a fresh process
-with the same environment (``isolation``), after a warm-up in that process. For each
+with the same environment (``isolation``) but for each engine's OpenMP wait policy
+(``BenchConfig.wait_policy``), after a warm-up in that process. For each
 workload the engines run back to back, their order rotating between repeats, so drift
 of a shared machine affects all of them alike; the report gives each figure's median,
 its min-max over the repeats, and a warning where they disagree by more than
@@ -41,6 +42,9 @@ from nbengine.bench.workloads import bench_model_dir, make_workloads, scaled
 __all__ = ["run_bench"]
 
 Log = Callable[[str], None]
+
+# The environment variables that make up an OpenMP wait policy (isolation.py).
+_WAIT_POLICY_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def run_bench(
@@ -94,9 +98,13 @@ class _Run:
         )
         self.ekw: dict[str, Any] = ekw
         self.threads = cfg.threads or physical_cores()
-        self.env = engine_environment(self.threads, cfg.omp_wait_policy)
+        self.envs = {
+            e: engine_environment(self.threads, cfg.wait_policy(e))
+            for e in {*cfg.engines, "nbengine"}  # nbengine: the abort check
+        }
         self.errors: dict[str, str] = {}  # engine -> its first error; it runs no more jobs
-        self.processes: list[dict[str, Any]] = []  # each worker's threads and environment
+        # Each worker's engine, threads and environment.
+        self.processes: list[dict[str, Any]] = []
 
     def report(self) -> dict[str, Any]:
         """Measure the machine, run the engines, measure again, and assemble the report."""
@@ -108,6 +116,7 @@ class _Run:
         machine["load_average_end"] = load_average()
         warnings = spread_warnings(results, self.cfg.max_spread)
         machine["engine_process"], differ = self._common_process_state()
+        machine["engine_wait_policy"] = self._wait_policies_seen()
         if differ:
             warnings.append(f"engine processes ran under different settings: {differ}")
         cfg = self.cfg
@@ -125,6 +134,7 @@ class _Run:
                 "static_batch_size": cfg.static_batch_size,
                 "threads": self.threads,
                 "omp_wait_policy": cfg.omp_wait_policy,
+                "omp_wait_policies": {e: cfg.wait_policy(e) for e in cfg.engines},
                 "max_spread": cfg.max_spread,
                 "model": {
                     k: self.hf_cfg.get(k)
@@ -175,7 +185,7 @@ class _Run:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "torch_threads": self.threads,
-            "omp_wait_policy": self.cfg.omp_wait_policy,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # this process's
             "bandwidth_gb_s": bw / 1e9,
             "matmul_gflop_s": flops / 1e9,
             "matmul_gflop_s_float32": flops_f32 / 1e9,
@@ -229,11 +239,11 @@ class _Run:
         )
 
     def _run_job(self, job: Job) -> dict[str, Any]:
-        res = run_isolated(job, self.env)
+        res = run_isolated(job, self.envs[job.engine])
         if "process" in res:
-            self.processes.append(res["process"])
+            self.processes.append({**res["process"], "engine": job.engine})
             res["pid"] = res.pop("process")["pid"]
-        if "error" in res:
+        if "error" in res and job.kind == "run":
             self.errors.setdefault(job.engine, res["error"])
         return res
 
@@ -272,13 +282,24 @@ class _Run:
         return {w: {e: median_run(rs) for e, rs in per.items()} for w, per in raw.items()}
 
     def _common_process_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The engine processes' threads and environment; the distinct ones if they differ."""
+        """The engine processes' threads and environment but for the wait policy (each
+        engine's own: ``_wait_policies_seen``); the distinct ones if they differ."""
         states: list[dict[str, Any]] = []
         for p in self.processes:
-            p = {k: v for k, v in p.items() if k != "pid"}
+            env = {k: v for k, v in p["env"].items() if k not in _WAIT_POLICY_KEYS}
+            p = {**{k: v for k, v in p.items() if k not in ("pid", "engine")}, "env": env}
             if p not in states:
                 states.append(p)
         return (states[0] if states else {}), (states if len(states) > 1 else [])
+
+    def _wait_policies_seen(self) -> dict[str, list[dict[str, str | None]]]:
+        """Each engine's distinct OpenMP wait settings, as its worker processes saw them."""
+        seen: dict[str, list[dict[str, str | None]]] = {}
+        for p in self.processes:
+            policy = {k: p["env"].get(k) for k in _WAIT_POLICY_KEYS}
+            if policy not in seen.setdefault(p["engine"], []):
+                seen[p["engine"]].append(policy)
+        return seen
 
     def _bounds(
         self, results: dict[str, dict[str, dict[str, Any]]], machine: dict[str, Any]
@@ -330,7 +351,7 @@ class _Run:
             return {}
         n_run = scaled(32, self.cfg.scale, 2)
         self.say(f"abort latency with {n_run} running ...")
-        res = run_isolated(
+        return self._run_job(
             self._job(
                 "abort",
                 "nbengine",
@@ -338,13 +359,8 @@ class _Run:
                 "W1",
                 abort_running=n_run,
                 abort_count=max(1, n_run // 2),
-            ),
-            self.env,
+            )
         )
-        if "process" in res:
-            self.processes.append(res["process"])
-            res["pid"] = res.pop("process")["pid"]
-        return res
 
 
 def _probes(res: dict[str, Any]) -> str:

@@ -1,13 +1,16 @@
 """One engine on one workload, in a process of its own: ``python -m nbengine.bench.worker``.
 
 ``run_bench`` starts this module once per measurement (repeat x workload x engine) with
-the same environment every time, so no engine inherits another's allocator state,
-OpenMP pools, thread settings or warm caches (docs/benchmarks.md, "Why earlier figures
-differed"). The job arrives as a JSON file; the summarised run goes back as a JSON file.
+the same environment every time (each engine's wait policy aside), so no engine
+inherits another's allocator state, OpenMP pools, thread settings or warm caches
+(docs/benchmarks.md, "Why earlier figures differed"). The job arrives as a JSON file; the
+summarised run goes back as a JSON file.
 
 Invariant: every job of one ``run_bench`` call differs only in ``engine``, ``workload``,
 ``run`` and ``overrides``; the model, dtype, threads, engine arguments and environment
-are the same, so a difference between two results is the engines' own.
+are the same but for each engine's OpenMP wait policy (``BenchConfig.wait_policy``: its
+faster one, part of its configuration), so a difference between two results is the
+engines' own.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 __all__ = ["Job", "main", "run_job"]
 
 # What the worker reports about its own process, so the report shows that every engine
-# ran under the same settings.
+# ran under the same settings (and each under its own wait policy).
 _ENV_KEYS = (
     "OMP_WAIT_POLICY",
     "OMP_NUM_THREADS",
