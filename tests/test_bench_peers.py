@@ -11,6 +11,8 @@ from nbengine.bench.isolation import engine_environment
 from nbengine.bench.report import format_report
 from nbengine.ops.openmp import PASSIVE_SPINCOUNT
 
+from support.bench import empty_report
+
 
 def test_peers_are_the_installed_engines_and_name_the_skipped_ones() -> None:
     engines, skipped = peer_engines()
@@ -42,41 +44,11 @@ def test_each_engine_runs_under_its_own_wait_policy_unless_one_is_asked_for_all(
     assert ct2["OMP_WAIT_POLICY"] == "ACTIVE" and ct2.get("GOMP_SPINCOUNT") != PASSIVE_SPINCOUNT
     assert nb["OMP_WAIT_POLICY"] == "PASSIVE" and nb["GOMP_SPINCOUNT"] == PASSIVE_SPINCOUNT
     # The report's header names them.
-    header = format_report(_empty_report({e: own.wait_policy(e) for e in PEER_ENGINES}, None))
+    policies = {e: own.wait_policy(e) for e in PEER_ENGINES}
+    header = format_report(empty_report(omp_wait_policy=None, omp_wait_policies=policies))
     assert "OMP_WAIT_POLICY PASSIVE for nbengine, hf_static, hf_cb, llamacpp; ACTIVE for ct2" in (
         header
     )
-    header = format_report(_empty_report({"nbengine": "ACTIVE", "ct2": "ACTIVE"}, "ACTIVE"))
+    forced_all = {"nbengine": "ACTIVE", "ct2": "ACTIVE"}
+    header = format_report(empty_report(omp_wait_policy="ACTIVE", omp_wait_policies=forced_all))
     assert "OMP_WAIT_POLICY ACTIVE," in header
-
-
-def _empty_report(policies: dict[str, str], forced: str | None) -> dict:
-    machine = {
-        "cpu_count": 2,
-        "cpu_flags": [],
-        "torch": "t",
-        "torch_threads": 2,
-        "transformers": "x",
-        "load_average_start": None,
-        "load_average_end": None,
-        "bandwidth_gb_s": 1.0,
-        "matmul_gflop_s": 1.0,
-        "matmul_gflop_s_float32": 1.0,
-    }
-    config = {
-        "model_dir": "m",
-        "dtype": "bfloat16",
-        "scale": 1,
-        "repeats": 1,
-        "omp_wait_policy": forced,
-        "omp_wait_policies": policies,
-    }
-    return {
-        "machine": machine,
-        "config": config,
-        "results": {},
-        "bounds": {},
-        "targets": {},
-        "warnings": [],
-        "elapsed_s": 1.0,
-    }

@@ -16,6 +16,8 @@ from nbengine.cli import main
 from nbengine.ops.openmp import PASSIVE_SPINCOUNT
 from nbengine.testing import make_tiny_model
 
+from support.bench import empty_report
+
 # Every measurement starts a fresh process (torch, transformers, the model): about two
 # minutes on an idle two-core machine, ten under a load of 8; no timing is asserted.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -107,28 +109,7 @@ def test_spread_of_repeats_and_its_warning() -> None:
     assert probed["probe_bandwidth_spread"] == 0.0
     (note,) = spread_warnings({"W1": {"c": probed}}, 0.10)
     assert "probe moved by 50% in matmul and 0% in bandwidth" in note
-    text = format_report(
-        {
-            "machine": {
-                "cpu_count": 2,
-                "cpu_flags": [],
-                "torch": "t",
-                "torch_threads": 2,
-                "transformers": "x",
-                "load_average_start": None,
-                "load_average_end": None,
-                "bandwidth_gb_s": 1.0,
-                "matmul_gflop_s": 1.0,
-                "matmul_gflop_s_float32": 1.0,
-            },
-            "config": {"model_dir": "m", "dtype": "bfloat16", "scale": 1, "repeats": 3},
-            "results": {},
-            "bounds": {},
-            "targets": {},
-            "warnings": warnings,
-            "elapsed_s": 1.0,
-        }
-    )
+    text = format_report({**empty_report(repeats=3), "warnings": warnings})
     assert "WARNINGS:" in text and "W1 b: repeats disagree" in text
 
 
