@@ -25,10 +25,10 @@ DEFAULT_ENGINES = ("nbengine", "hf_static", "hf_cb")
 PEER_ENGINES = ALL_ENGINES
 # The OMP_WAIT_POLICY each engine's processes get unless one policy is asked for all:
 # its faster one, as measured on this machine (docs/benchmarks.md, "Each engine's wait
-# policy"). CTranslate2's OpenMP workers sleeping between its ops cost it 2-3.6x; nbengine
-# is faster with PASSIVE (its threads need the cores spinning workers would hold);
+# policy"). CTranslate2's OpenMP workers sleeping between its ops cost it 1.3-3.6x;
+# nbengine is faster with PASSIVE (its threads need the cores spinning workers would hold);
 # llama.cpp measured the same under both; the transformers baselines get what a notebook
-# with nbengine gets (PASSIVE: under load, spinning workers slowed hf_cb tenfold).
+# with nbengine gets (PASSIVE: under load, spinning workers slowed hf_cb over tenfold).
 ENGINE_WAIT_POLICY = {
     "nbengine": "PASSIVE",
     "hf_static": "PASSIVE",

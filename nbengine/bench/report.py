@@ -181,7 +181,7 @@ def _of_bound(frac: float | None) -> str:
 
 
 def _wait_policies(cfg: dict[str, Any]) -> str:
-    """``PASSIVE`` when one policy is every engine's, else each engine's, grouped."""
+    """The wait policy when every engine had the same, else each one's, grouped by policy."""
     policies: dict[str, str] = cfg.get("omp_wait_policies") or {}
     if cfg.get("omp_wait_policy") or len(set(policies.values())) <= 1:
         return str(cfg.get("omp_wait_policy") or next(iter(policies.values()), "?"))
