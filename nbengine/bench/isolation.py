@@ -20,7 +20,10 @@ from typing import Any
 from nbengine.bench.worker import Job, job_json
 from nbengine.ops.openmp import PASSIVE_SPINCOUNT
 
-__all__ = ["engine_environment", "run_isolated"]
+__all__ = ["WAIT_POLICY_VARIABLES", "engine_environment", "run_isolated"]
+
+# The variables through which ``engine_environment`` sets a wait policy.
+WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 # A job that takes longer than this is reported as an error (a full W1 on hf_cb takes
 # about a minute on two cores).

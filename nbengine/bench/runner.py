@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from nbengine.bench.config import BenchConfig
-from nbengine.bench.isolation import engine_environment, run_isolated
+from nbengine.bench.isolation import WAIT_POLICY_VARIABLES, engine_environment, run_isolated
 from nbengine.bench.machine import (
     ModelShape,
     cpu_flags,
@@ -42,9 +42,6 @@ from nbengine.bench.workloads import bench_model_dir, make_workloads, scaled
 __all__ = ["run_bench"]
 
 Log = Callable[[str], None]
-
-# The environment variables that make up an OpenMP wait policy (isolation.py).
-_WAIT_POLICY_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def run_bench(
@@ -286,7 +283,7 @@ class _Run:
         engine's own: ``_wait_policies_seen``); the distinct ones if they differ."""
         states: list[dict[str, Any]] = []
         for p in self.processes:
-            env = {k: v for k, v in p["env"].items() if k not in _WAIT_POLICY_KEYS}
+            env = {k: v for k, v in p["env"].items() if k not in WAIT_POLICY_VARIABLES}
             p = {**{k: v for k, v in p.items() if k not in ("pid", "engine")}, "env": env}
             if p not in states:
                 states.append(p)
@@ -296,7 +293,7 @@ class _Run:
         """Each engine's distinct OpenMP wait settings, as its worker processes saw them."""
         seen: dict[str, list[dict[str, str | None]]] = {}
         for p in self.processes:
-            policy = {k: p["env"].get(k) for k in _WAIT_POLICY_KEYS}
+            policy = {k: p["env"].get(k) for k in WAIT_POLICY_VARIABLES}
             if policy not in seen.setdefault(p["engine"], []):
                 seen[p["engine"]].append(policy)
         return seen
