@@ -3,18 +3,23 @@
 
 A bad value (``--max-tokens 0``, a missing model directory, an empty prompt, ...) prints
 one line, ``nbengine: error: ...``, and exits with status 2, as argparse does for a
-bad option; ``--debug`` shows the traceback instead.
+bad option; ``--debug`` shows the traceback instead. So does a command whose optional
+dependencies are missing (``serve`` without the serve extra, ``bench`` without
+transformers): it is checked before any work, and the line names the extra to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+import textwrap
 import threading
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NoReturn, TextIO
 
 DEMO_PROMPTS: dict[str, str] = {
@@ -64,13 +69,44 @@ def _consume(handle: object, track: _Track) -> None:
                 track.finish_reason = comp.finish_reason
 
 
+ELLIPSIS = "..."
+
+
+def _head_words(text: str, width: int) -> str:
+    """The start of ``text`` (whitespace collapsed) in at most ``width`` characters, cut
+    after a whole word and marked with an ellipsis where it was cut."""
+    return textwrap.shorten(text, width, placeholder=" " + ELLIPSIS)
+
+
+def _tail_words(text: str, width: int) -> str:
+    """The end of ``text`` (whitespace collapsed) in at most ``width`` characters, from the
+    start of a whole word and marked with a leading ellipsis where it was cut. Only a
+    single word wider than ``width`` is cut inside the word."""
+    words = text.split()
+    whole = " ".join(words)
+    if len(whole) <= width:
+        return whole
+    budget = width - len(ELLIPSIS) - 1
+    kept: list[str] = []
+    used = -1  # no space before the first word kept
+    for word in reversed(words):
+        if used + 1 + len(word) > budget:
+            break
+        kept.append(word)
+        used += 1 + len(word)
+    if not kept:  # the last word alone is wider than the line
+        return whole[-width:]
+    return ELLIPSIS + " " + " ".join(reversed(kept))
+
+
 def _status_lines(tracks: Sequence[_Track], width: int) -> list[str]:
+    """The demo's live view: one line per request, its id, status, tokens and the end of
+    its text (whole words), at most ``width`` characters."""
     lines = []
     for t in tracks:
         with t.lock:
-            snippet = " ".join(t.text.split())
             head = f"{t.label:<11} {t.status:<22} {t.num_tokens:>4} tok  "
-            lines.append((head + snippet[-max(10, width - len(head)) :])[:width])
+            lines.append(head + _tail_words(t.text, max(10, width - len(head))))
     return lines
 
 
@@ -160,15 +196,20 @@ def run_demo(model: str | None = None, max_tokens: int = 48, out: TextIO = sys.s
         )
     out.write(f"{'request':<12}{'finish':<8}{'tokens':>7}{'TTFT ms':>10}{'tok/s':>8}  text\n")
     for t in tracks:
-        ttft = (t.first_token_at - t.start) * 1000 if t.first_token_at else float("nan")
-        dur = (t.end or time.monotonic()) - (t.first_token_at or t.start)
-        rate = (t.num_tokens - 1) / dur if t.num_tokens > 1 and dur > 0 else float("nan")
-        text = " ".join((t.prompt + t.text).split())[:80]
-        out.write(
-            f"{t.label:<12}{t.finish_reason or '-':<8}{t.num_tokens:>7}{ttft:>10.1f}{rate:>8.1f}  "
-            f"{text}\n"
-        )
+        out.write(_summary_line(t) + "\n")
     return 0
+
+
+def _summary_line(t: _Track) -> str:
+    """One row of the demo's closing table: finish, tokens, TTFT, rate, the text's start."""
+    ttft = (t.first_token_at - t.start) * 1000 if t.first_token_at else float("nan")
+    dur = (t.end or time.monotonic()) - (t.first_token_at or t.start)
+    rate = (t.num_tokens - 1) / dur if t.num_tokens > 1 and dur > 0 else float("nan")
+    text = _head_words(t.prompt + t.text, 80)
+    return (
+        f"{t.label:<12}{t.finish_reason or '-':<8}{t.num_tokens:>7}{ttft:>10.1f}{rate:>8.1f}  "
+        f"{text}"
+    )
 
 
 def run_generate(
@@ -205,14 +246,19 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from nbengine.bench import BenchConfig, format_report, run_bench
     from nbengine.bench.config import peer_engines
 
-    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    engines = _bench_engines(args)
     skipped: dict[str, str] = {}
     if args.peers:
         engines, skipped = peer_engines()
         for e, why in skipped.items():
             print(f"--peers: skipping {e}: {why}", file=sys.stderr, flush=True)
+    model = check_model_arg(args.model)
+    if model is not None and not Path(model).is_dir():  # a Hub id: the engines need files
+        from nbengine.model import resolve_model_dir
+
+        model = str(resolve_model_dir(model))
     config = BenchConfig(
-        model_dir=args.model,
+        model_dir=model,
         workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
         engines=engines,
         dtype=args.dtype,
@@ -235,11 +281,14 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engines(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--engines`` as a tuple of names."""
+    return tuple(e.strip() for e in args.engines.split(",") if e.strip())
+
+
 def _write_charts(report: dict[str, object], path: str) -> None:
     """``--chart``: the bar chart of each workload as HTML (PATH, or PATH-W1.html ... for
     several workloads)."""
-    from pathlib import Path
-
     from nbengine.bench import peers_figure
 
     results = report["results"]
@@ -251,18 +300,18 @@ def _write_charts(report: dict[str, object], path: str) -> None:
         print(f"chart of {w}: {out}", file=sys.stderr, flush=True)
 
 
-DESCRIPTION = """\
-nbengine: an LLM inference engine that runs inside your Jupyter kernel.
-
-commands:
-  demo            stream several prompts at once, cancel one, reuse its id
-  generate        stream one completion of a prompt to the terminal
-  bench           measure throughput and latency on this machine
-  serve           serve a model over an OpenAI-compatible HTTP API
-  tutorials       open the tutorial notebooks in JupyterLab
-  install-kernel  install the 'nbengine' Jupyter kernel (for the tutorials)
-
-Run 'nbengine COMMAND --help' for a command's options."""
+DESCRIPTION = "nbengine: an LLM inference engine that runs inside your Jupyter kernel."
+EPILOG = "Run 'nbengine COMMAND --help' for a command's options."
+# Each command's line in `nbengine --help` (argparse lists them from here, once). Where a
+# command needs an optional extra, the line says which (README, "The command line").
+COMMAND_HELP: dict[str, str] = {
+    "demo": "stream several prompts at once, cancel one, reuse its id",
+    "generate": "stream one completion of a prompt to the terminal",
+    "bench": "measure throughput and latency (needs transformers)",
+    "serve": "serve an OpenAI-compatible HTTP API (needs the serve extra)",
+    "tutorials": "open the tutorials in JupyterLab (needs the notebook extra)",
+    "install-kernel": "install the 'nbengine' Jupyter kernel (for the tutorials)",
+}
 
 EXIT_USAGE = 2  # a bad argument or value: argparse's own status for usage errors
 
@@ -298,23 +347,89 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _model_dir(path: str | None) -> str | None:
-    """Check ``--model`` before loading: a missing path or a non-model directory."""
-    if path is None:
-        return None
-    from pathlib import Path
+def check_model_arg(model: str | None, option: str = "--model") -> str | None:
+    """The model a command was given, checked before anything loads; every command that
+    takes a model (``demo``, ``generate``, ``bench``, ``serve``) resolves it here.
 
-    p = Path(path).expanduser()
+    An existing path must be a model directory (returned expanded); anything else must
+    read as a Hugging Face Hub id ("org/name"), returned as given for ``nb.Engine`` to
+    resolve (the Hub cache, else a download; docs/models.md). None (the shipped default
+    model) stays None. Raises ``CliError`` naming ``option`` otherwise.
+    """
+    if model is None:
+        return None
+    from nbengine.model.hub import is_hub_repo_id
+
+    p = Path(model).expanduser()
     if not p.exists():
-        raise CliError(f"--model {path}: no such directory")
+        if is_hub_repo_id(model):
+            return model
+        raise CliError(
+            f"{option} {model}: no such directory (and not a Hugging Face Hub id such as org/name)"
+        )
     if not p.is_dir():
-        raise CliError(f"--model {path}: not a directory (give a Hugging Face model folder)")
+        raise CliError(f"{option} {model}: not a directory (give a Hugging Face model folder)")
     if not (p / "config.json").is_file():
         raise CliError(
-            f"--model {path}: not a model directory (it has no config.json; give a "
+            f"{option} {model}: not a model directory (it has no config.json; give a "
             "Hugging Face model folder with config.json, weights and a tokenizer)"
         )
     return str(p)
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """A package a command needs beyond the base install, and the extra that brings it."""
+
+    module: str  # the importable name, looked up with importlib.util.find_spec
+    extra: str  # the group in pyproject.toml's [project.optional-dependencies]
+    note: str = ""  # appended to the install hint
+
+
+_SERVE_NEEDS = (Requirement("starlette", "serve"), Requirement("uvicorn", "serve"))
+_TRANSFORMERS_NOTE = (
+    " (the bench extra also compiles llama.cpp, 5-15 minutes; for the default engines "
+    "pip install transformers is enough)"
+)
+
+
+def requirements(args: argparse.Namespace) -> list[Requirement]:
+    """What ``args.command`` needs beyond the base install (the README's table)."""
+    if args.command == "serve":
+        return list(_SERVE_NEEDS)
+    if args.command == "bench":
+        from nbengine.bench.config import ENGINE_PACKAGES
+
+        # The report names transformers' version and the default engines run on it.
+        needs = [Requirement("transformers", "bench", _TRANSFORMERS_NOTE)]
+        if not args.peers:  # --peers skips the peers that are not installed, by name
+            for module in dict.fromkeys(ENGINE_PACKAGES.get(e) for e in _bench_engines(args)):
+                if module is not None and module != "transformers":
+                    needs.append(Requirement(module, "bench"))
+        return needs
+    if args.command == "tutorials" and not args.no_lab:  # --no-lab only copies
+        return [Requirement("jupyterlab", "notebook")]
+    return []
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported already, without a spec: it is there
+        return True
+    except ImportError:  # a parent package is missing
+        return False
+
+
+def check_requirements(args: argparse.Namespace) -> None:
+    """Refuse, in one line naming the extra, a command whose packages are not installed,
+    before it does any work (loads a model, copies files, starts processes)."""
+    for need in requirements(args):
+        if not _installed(need.module):
+            raise CliError(
+                f"nbengine {args.command} needs {need.module} (the {need.extra} extra), "
+                f'which is not installed: pip install "nbengine[{need.extra}]"{need.note}'
+            )
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -339,19 +454,22 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="nbengine",
         description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--debug", action="store_true", help="show the full Python traceback of an error"
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model_help = "Hugging Face model directory (default: the shipped default model)"
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
+    model_help = (
+        "Hugging Face model directory or Hub id, e.g. org/name (default: the shipped default model)"
+    )
 
     demo = sub.add_parser(
         "demo",
         parents=[common],
         formatter_class=fmt,
-        help="stream several prompts, cancel one, reuse its id",
+        help=COMMAND_HELP["demo"],
         description="Stream several prompts at once from one engine, cancel one mid-stream "
         "(abort() returns once the core has freed it), reuse its id, and print "
         "a summary. CPU only, offline.",
@@ -365,7 +483,7 @@ def _parser() -> argparse.ArgumentParser:
         "generate",
         parents=[common],
         formatter_class=fmt,
-        help="stream one completion to stdout",
+        help=COMMAND_HELP["generate"],
         description="Stream the completion of PROMPT to stdout as it is generated.",
     )
     gen.add_argument("prompt", help="the text to continue")
@@ -390,15 +508,16 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         parents=[common],
         formatter_class=fmt,
-        help="throughput/latency against transformers (see docs/benchmarks.md)",
+        help=COMMAND_HELP["bench"],
         description="Run fixed workloads through nbengine and transformers, every run in a "
         "fresh process with the same environment, and compare them with this "
-        "machine's memory-bandwidth bound (docs/benchmarks.md).",
+        "machine's memory-bandwidth bound (docs/benchmarks.md). Needs transformers: "
+        'pip install transformers, or pip install "nbengine[bench]" for every peer.',
     )
     bench.add_argument(
         "--model",
         default=None,
-        help="model directory (default: random weights in SmolLM2-135M's shape)",
+        help="model directory or Hub id (default: random weights in SmolLM2-135M's shape)",
     )
     bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
     bench.add_argument(
@@ -434,7 +553,12 @@ def _parser() -> argparse.ArgumentParser:
         "bandwidth bound counts the quantized bytes",
     )
     bench.add_argument("--scale", type=float, default=1.0, help="shrink workloads (e.g. 0.1)")
-    bench.add_argument("--quick", action="store_true", help="same as --scale 0.1")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="same as --scale 0.1: a smoke run, still a fresh process per engine and "
+        "workload (about 2.5 minutes on 2 cores)",
+    )
     bench.add_argument(
         "--repeats", type=_positive_int, default=1, help="runs of each engine on each workload"
     )
@@ -456,18 +580,18 @@ def _parser() -> argparse.ArgumentParser:
 
     from nbengine.server.cli import add_serve_parser
 
-    add_serve_parser(sub, [common], fmt)
+    add_serve_parser(sub, [common], fmt, COMMAND_HELP["serve"])
 
     tut = sub.add_parser(
         "tutorials",
         parents=[common],
         formatter_class=fmt,
-        help="open the tutorial notebooks in JupyterLab (on a copy)",
+        help=COMMAND_HELP["tutorials"],
         description="Copy the tutorial notebooks into DIR (once; your edits are kept) and "
         "start JupyterLab on the first one. The copies, not the tracked "
         "notebooks/, get your outputs. Other options go to jupyter lab "
         "(e.g. --no-browser --port 8890). Needs the notebook extra: "
-        "pip install -e '.[notebook]' and nbengine install-kernel.",
+        'pip install "nbengine[notebook]" and nbengine install-kernel.',
     )
     tut.add_argument("--dir", default="tutorials", help="where the copies go")
     tut.add_argument(
@@ -484,7 +608,7 @@ def _parser() -> argparse.ArgumentParser:
     kern = sub.add_parser(
         "install-kernel",
         parents=[common],
-        help="install the 'nbengine' Jupyter kernelspec",
+        help=COMMAND_HELP["install-kernel"],
         description="Install the 'nbengine' Jupyter kernel, which the tutorials in "
         "notebooks/ run under.",
     )
@@ -495,11 +619,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_requirements(args)
     if args.command == "demo":
-        return run_demo(_model_dir(args.model), args.max_tokens)
+        return run_demo(check_model_arg(args.model), args.max_tokens)
     if args.command == "generate":
         return run_generate(
-            args.prompt, _model_dir(args.model), args.max_tokens, args.temperature, args.seed
+            args.prompt, check_model_arg(args.model), args.max_tokens, args.temperature, args.seed
         )
     if args.command == "bench":
         return run_bench_cli(args)
@@ -508,8 +633,6 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_serve(args)
     if args.command == "tutorials":
-        from pathlib import Path
-
         from nbengine.tutorials import open_tutorials
 
         return open_tutorials(

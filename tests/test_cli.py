@@ -4,6 +4,8 @@ the tracked ones."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +17,16 @@ from nbengine.bench import format_report
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def nbengine(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def nbengine(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "nbengine", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=env,
     )
 
 
@@ -136,3 +141,125 @@ def test_demo_cancels_mid_stream_and_reuses_the_id() -> None:
     assert 0 < int(lines["imports"][2]) < 8 * 48, done.stdout  # cut short
     assert lines["imports#2"][1] in ("stop", "length"), done.stdout
     assert "Cancelled 'imports' after" in done.stdout, done.stdout
+
+
+# --- what a newcomer meets in the first hour (issue 31, items 15, 16, 18) ----------------
+
+
+def nbengine_without(module: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """``nbengine ARGS`` in a process where ``module`` cannot be imported (as if the extra
+    that brings it were not installed)."""
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        "from nbengine.cli import main\n"
+        f"sys.exit(main({list(args)!r}))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang-guard: the check comes before any model is loaded
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize(
+    "module, args, extra",
+    [
+        ("starlette", ["serve", "/nope"], "serve"),
+        ("uvicorn", ["serve", "--port", "0"], "serve"),
+        ("transformers", ["bench", "--model", "/nope"], "bench"),
+        ("ctranslate2", ["bench", "--engines", "nbengine,ct2", "--model", "/nope"], "bench"),
+    ],
+    ids=["serve-starlette", "serve-uvicorn", "bench-transformers", "bench-ct2"],
+)
+def test_a_missing_extra_is_one_line_naming_it_before_any_work(
+    module: str, args: list[str], extra: str
+) -> None:
+    r = nbengine_without(module, *args)
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr  # no traceback
+    assert lines[0].startswith("nbengine: error: "), lines
+    assert module in lines[0] and f'pip install "nbengine[{extra}]"' in lines[0], lines
+    # Checked first: the model argument (/nope) was never looked at, nothing was loaded.
+    assert "/nope" not in lines[0] and r.stdout == "", r
+
+
+def test_tutorials_without_jupyterlab_names_the_extra_before_copying(tmp_path: Path) -> None:
+    target = tmp_path / "tut"
+    r = nbengine_without("jupyterlab", "tutorials", "--dir", str(target))
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'pip install "nbengine[notebook]"' in lines[0], r.stderr
+    assert not target.exists()  # nothing done first
+    # --no-lab only copies, which needs no JupyterLab.
+    assert (
+        nbengine_without("jupyterlab", "tutorials", "--dir", str(target), "--no-lab").returncode
+        == 0
+    )
+
+
+@pytest.mark.slow  # fresh Python processes
+def test_generate_and_demo_take_a_hub_id_as_serve_does(tiny_model: Path, tmp_path: Path) -> None:
+    from nbengine.testing import make_hub_cache
+
+    make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny_model)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    prompt = ["generate", "Once upon a time", "--max-tokens", "8"]
+    by_id = nbengine(*prompt, "--model", "tiny-org/tiny-llama", env=env)
+    assert by_id.returncode == 0, by_id.stderr
+    by_dir = nbengine(*prompt, "--model", str(tiny_model), env=env)
+    assert by_dir.returncode == 0, by_dir.stderr
+    assert by_id.stdout == by_dir.stdout and len(by_id.stdout) > len("Once upon a time\n")
+    demo = nbengine("demo", "--model", "tiny-org/tiny-llama", "--max-tokens", "4", env=env)
+    assert demo.returncode == 0, demo.stderr
+    # A Hub id that is not in the cache: one line naming it, status 2.
+    missing = nbengine(*prompt, "--model", "tiny-org/not-cached", env=env)
+    assert missing.returncode == 2, missing
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tiny-org/not-cached" in lines[0], missing.stderr
+
+
+COMMANDS = ("demo", "generate", "bench", "serve", "tutorials", "install-kernel")
+
+
+def test_help_lists_each_command_once() -> None:
+    top = nbengine("--help").stdout
+    for command in COMMANDS:
+        # A command's own line (its help wraps onto lines indented further).
+        listed = [line for line in top.splitlines() if re.match(rf" {{1,4}}{command}\b", line)]
+        assert len(listed) == 1, top
+
+
+def _track(text: str) -> object:
+    from nbengine.cli import _Track
+
+    return _Track("lists", "A list is", 0.0, status="RUNNING", text=text, num_tokens=40)
+
+
+# Words that a cut anywhere but at a space would leave partial.
+LONG_TEXT = " " + " ".join(f"word{i:02d}x" for i in range(60)) + "\n"
+
+
+def test_demo_status_lines_cut_at_word_boundaries() -> None:
+    from nbengine.cli import _status_lines
+
+    words = LONG_TEXT.split()
+    for width in (60, 73, 100):
+        (line,) = _status_lines([_track(LONG_TEXT)], width=width)  # type: ignore[list-item]
+        assert len(line) <= width
+        shown = line.split()[4:]  # after: id, status, count, "tok"
+        shown = [w for w in shown if w not in ("...", "…")]
+        assert shown and shown == words[-len(shown) :], line  # whole words, the text's end
+
+
+def test_demo_summary_cuts_at_word_boundaries() -> None:
+    from nbengine.cli import _summary_line
+
+    words = ("A list is" + LONG_TEXT).split()
+    line = _summary_line(_track(LONG_TEXT))  # type: ignore[arg-type]
+    text = line.split()[5:]  # after: id, finish, tokens, TTFT, tok/s
+    shown = [w for w in text if w not in ("...", "…")]
+    assert shown and shown == words[: len(shown)], line  # whole words, the text's start

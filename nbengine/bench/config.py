@@ -12,6 +12,7 @@ __all__ = [
     "ALL_ENGINES",
     "BenchConfig",
     "DEFAULT_ENGINES",
+    "ENGINE_PACKAGES",
     "ENGINE_WAIT_POLICY",
     "PEER_ENGINES",
     "peer_engines",
@@ -37,8 +38,9 @@ ENGINE_WAIT_POLICY = {
     "llamacpp": "PASSIVE",
 }
 WAIT_POLICIES = ("PASSIVE", "ACTIVE")
-# The Python package each optional engine needs.
-_ENGINE_PACKAGES = {
+# The Python package (importable name) each optional engine needs; `nbengine bench`
+# checks them before it starts (cli.py).
+ENGINE_PACKAGES = {
     "hf_static": "transformers",
     "hf_cb": "transformers",
     "ct2": "ctranslate2",
@@ -53,7 +55,7 @@ def peer_engines() -> tuple[tuple[str, ...], dict[str, str]]:
     run: list[str] = []
     skipped: dict[str, str] = {}
     for e in PEER_ENGINES:
-        pkg = _ENGINE_PACKAGES.get(e)
+        pkg = ENGINE_PACKAGES.get(e)
         if pkg is not None and importlib.util.find_spec(pkg) is None:
             skipped[e] = f"{pkg} is not installed (pip install -e '.[bench]')"
         else:

@@ -3,13 +3,17 @@
 It starts an engine on MODEL, serves it (``Engine.serve``), prints one line with the
 URL once it listens, and runs until Ctrl-C or SIGTERM, then stops the server (open
 streams end, their requests are aborted with confirmation) and shuts the engine down.
+MODEL is resolved as every command resolves one (``nbengine.cli.check_model_arg``), and
+a port in use is refused in one line before the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -21,29 +25,34 @@ API_KEY_ENV = "NBENGINE_API_KEY"
 
 
 def add_serve_parser(
-    sub: Any, parents: list[argparse.ArgumentParser], formatter_class: type
+    sub: Any,
+    parents: list[argparse.ArgumentParser],
+    formatter_class: type,
+    help_text: str = "serve a model over an OpenAI-compatible HTTP API",
 ) -> None:
-    """Add the ``serve`` subcommand to ``sub`` (argparse subparsers)."""
+    """Add the ``serve`` subcommand to ``sub`` (argparse subparsers); ``help_text`` is its
+    line in ``nbengine --help``."""
     from nbengine.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
     p = sub.add_parser(
         "serve",
         parents=parents,
         formatter_class=formatter_class,
-        help="serve a model over an OpenAI-compatible HTTP API",
+        help=help_text,
         description="Start an engine on MODEL and serve it at http://HOST:PORT/v1 "
         "(/v1/models, /v1/completions, /v1/chat/completions; docs/serving.md). "
         "Runs until Ctrl-C. A HOST other than loopback requires an API key. "
-        "Needs the serve extra: pip install 'nbengine[serve]'.",
+        'Needs the serve extra: pip install "nbengine[serve]".',
     )
     p.add_argument(
         "model",
         nargs="?",
         default=None,
+        metavar="MODEL",
         help="Hugging Face model directory or Hub id (default: the shipped model)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (0: a free one)")
+    p.add_argument("--port", type=_port, default=8000, help="port to bind (0: a free one)")
     p.add_argument(
         "--api-key",
         default=None,
@@ -82,15 +91,46 @@ def add_serve_parser(
     p.add_argument("--max-num-seqs", type=int, default=None, help="the most requests per batch")
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535 (0: a free one), got {value}")
+    return value
+
+
+def _listen_error(exc: OSError, host: str, port: int) -> Exception:
+    """The one line ``nbengine serve`` prints for a failed bind of (host, port)."""
+    from nbengine.cli import CliError
+
+    if exc.errno == errno.EADDRINUSE:
+        return CliError(f"port {port} is in use on {host}: pass --port N (or 0 for a free one)")
+    return CliError(f"cannot listen on {host} port {port}: {exc.strerror or exc}")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Bind (host, port) once and let go, so that a port in use is refused before the
+    model loads (the server binds it again; one taken in between fails there, the same
+    way)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise _listen_error(exc, host, port) from None
+
+
 def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Run ``nbengine serve``; returns the exit status. ``stop`` ends it (tests)."""
     import nbengine as nb
+    from nbengine.cli import check_model_arg
 
-    model = args.model
-    if model is not None and Path(model).expanduser().exists():
-        from nbengine.cli import _model_dir
-
-        model = _model_dir(model)
+    model = check_model_arg(args.model, "MODEL")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     engine_kw: dict[str, Any] = {"dtype": args.dtype}
     if args.max_model_len is not None:
@@ -102,21 +142,28 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
 
     if api_key is None and not is_loopback(args.host):  # refuse before loading a model
         raise ValueError(f"binding {args.host!r} needs --api-key (or ${API_KEY_ENV}).")
+    _check_port(args.host, args.port)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with nb.Engine(model, **engine_kw) as engine:
-        with Server(
-            engine,
-            args.host,
-            args.port,
-            api_key,
-            model_name=args.served_model_name,
-            max_tokens=args.max_tokens,
-            max_request_bytes=args.max_request_bytes,
-            stream_interval=args.stream_interval,
-            chat_template=_template(args.chat_template),
-        ) as server:
+        try:
+            server = Server(
+                engine,
+                args.host,
+                args.port,
+                api_key,
+                model_name=args.served_model_name,
+                max_tokens=args.max_tokens,
+                max_request_bytes=args.max_request_bytes,
+                stream_interval=args.stream_interval,
+                chat_template=_template(args.chat_template),
+            )
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise _listen_error(exc, args.host, args.port) from exc
+        with server:
             print(f"nbengine: serving {server.model_name!r} at {server.url}", flush=True)
             try:
                 while not stop.wait(0.5):

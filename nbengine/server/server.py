@@ -16,6 +16,7 @@ raises there, and ``port=0`` picks a free port (``server.url`` names it).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import threading
@@ -184,6 +185,18 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        # Same class and errno (callers tell a port in use by errno.EADDRINUSE), but a
+        # message that names the address: the OS's own names neither host nor port.
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        hint = (
+            f"; port {port} is in use: pass another port, or port=0 for a free one"
+            if exc.errno == errno.EADDRINUSE
+            else ""
+        )
+        what = exc.strerror or exc
+        raise type(exc)(exc.errno, f"Cannot listen on {where}: {what}{hint}.") from exc
     except BaseException:
         sock.close()
         raise
