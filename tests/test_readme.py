@@ -40,3 +40,28 @@ def test_readme_opens_the_tutorials_with_one_command() -> None:
 def test_ci_requires_every_required_test() -> None:
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "export NBENGINE_REQUIRE_ALL=1" in ci_lines
+
+
+def test_docs_index_counts_the_readme_commands() -> None:
+    words = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5}
+    index = " ".join((ROOT / "docs" / "index.md").read_text().split())
+    m = re.search(r"\[README\]\(\.\./README\.md\) has (?:the )?(\w+) commands", index)
+    assert m is not None, "docs/index.md no longer says how many commands the README has"
+    assert words[m.group(1)] == len(_bash_blocks((ROOT / "README.md").read_text()))
+
+
+def test_the_readme_first_cell_shows_the_readme_greedy_sample() -> None:
+    # A reader runs the first notebook cell next to the README's sample text: the cell must
+    # produce that text (greedy), not a sample at the default temperature.
+    readme = (ROOT / "README.md").read_text()
+    cell = re.findall(r"```python\n(.*?)```", readme, flags=re.S)[0]
+    sample = " ".join(re.findall(r"```text\n(.*?)```", readme, flags=re.S)[0].split())
+    ns: dict[str, object] = {}
+    exec(cell, ns)  # the README's own code, as a reader runs it (without the display)
+    engine, handle = ns["engine"], ns["h"]
+    try:
+        final = handle.result(timeout=120)  # type: ignore[attr-defined]
+    finally:
+        engine.shutdown()  # type: ignore[attr-defined]
+    text = " ".join(("The for statement" + final.outputs[0].text).split())
+    assert text.startswith(sample), (text, sample)
