@@ -58,6 +58,9 @@ class CoreClient(ABC):
     vocab_size: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    # (blocks, tokens per block) of the smallest KV pool among the cores: a prompt longer
+    # than their product can never be scheduled (generate() refuses it). None: unknown.
+    kv_pool: tuple[int, int] | None = None
 
     @abstractmethod
     def start(
@@ -128,6 +131,7 @@ class InprocCoreClient(CoreClient):
         self.vocab_size = int(r.vocab_size)
         self.max_model_len = int(getattr(self.core, "max_model_len", r.max_model_len))
         self.eos_token_ids = frozenset(r.eos_token_ids)
+        self.kv_pool = (int(r.num_kv_blocks), int(r.block_size))
         self.queue: queue.Queue[EngineCoreMessage] = queue.Queue()
         self.thread: threading.Thread | None = None
         self._started_at = time.monotonic()

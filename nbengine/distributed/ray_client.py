@@ -140,6 +140,10 @@ class RayCoreClient(CoreClient):
         first = infos[0]
         self.vocab_size = int(first["vocab_size"])
         self.max_model_len = int(first["max_model_len"])
+        self.kv_pool = (
+            min(int(info["num_kv_blocks"]) for info in infos),
+            int(config.cache.block_size),
+        )
         self.eos_token_ids = frozenset(first["eos_token_ids"])
         self.router = Router(
             data_parallel_size, config.cache.block_size, prefix_aware=routing == "prefix"

@@ -137,6 +137,10 @@ class Engine:
             default_sampling_params(model_dir),
             self._eos_token_ids,
             self.config.model.max_logprobs,
+            kv_pool=self._client.kv_pool,
+            max_prefill_tokens=None
+            if self.config.scheduler.enable_chunked_prefill
+            else self.config.scheduler.max_num_batched_tokens,
         )
 
         # Observers of the output processor (docs/architecture.md, "Seams"); the first is

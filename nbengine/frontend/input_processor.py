@@ -2,7 +2,9 @@
 
 Everything a caller can get wrong is checked here, before anything is registered: the
 request id's type, the sampling parameters, the priority, the prompt (a non-empty str,
-or non-empty token ids inside the vocabulary) and its length against ``max_model_len``.
+or non-empty token ids inside the vocabulary) and its length against ``max_model_len``,
+the KV pool and (without chunked prefill) one step's token budget: a prompt the core
+could never schedule is refused here rather than finished "length" with no tokens.
 A bad call raises ``TypeError``/``ValueError`` naming the problem and leaves no state
 behind; a good one becomes a ``PreparedRequest`` that the loop thread registers.
 """
@@ -50,6 +52,8 @@ class InputProcessor:
         default_params: SamplingParams | None = None,
         eos_token_ids: Iterable[int] = (),
         max_logprobs: int = 20,
+        kv_pool: tuple[int, int] | None = None,
+        max_prefill_tokens: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -58,6 +62,10 @@ class InputProcessor:
         self.default_params = default_params if default_params is not None else SamplingParams()
         self.eos_token_ids = list(eos_token_ids)
         self.max_logprobs = max_logprobs  # -1: no bound
+        self.kv_pool = kv_pool  # (blocks, tokens per block) of the smallest core's pool
+        # One step's token budget when chunked prefill is off (a prompt is computed in
+        # one step then); None when prompts may be computed in chunks.
+        self.max_prefill_tokens = max_prefill_tokens
         self._grammars: GrammarCompiler | None = None
 
     @property
@@ -169,10 +177,7 @@ class InputProcessor:
         k = sampling_params.truncate_prompt_tokens
         if k is not None:  # keep the last k prompt tokens (-1: the last max_model_len)
             ids = ids[-(self.max_model_len if k == -1 else k) :]
-        if len(ids) > self.max_model_len:
-            raise ValueError(
-                f"The prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}."
-            )
+        self._check_prompt_fits(len(ids))
         prep = PreparedRequest(
             request_id, text, ids, sampling_params, priority, cache_salt=cache_salt
         )
@@ -180,6 +185,28 @@ class InputProcessor:
         if spec is not None:
             prep.grammars = [self.grammars.matcher(spec) for _ in range(sampling_params.n)]
         return prep
+
+    def _check_prompt_fits(self, n: int) -> None:
+        """Refuse a prompt of ``n`` tokens that no core could ever schedule."""
+        if n > self.max_model_len:
+            raise ValueError(
+                f"The prompt has {n} tokens, more than max_model_len={self.max_model_len}."
+            )
+        if self.kv_pool is not None:
+            blocks, size = self.kv_pool
+            if n > blocks * size:
+                raise ValueError(
+                    f"The prompt has {n} tokens, more than the KV cache holds ({blocks} "
+                    f"block{'s' if blocks != 1 else ''} of {size} tokens = {blocks * size} "
+                    "tokens); a larger num_kv_blocks or kv_cache_memory_gb makes room."
+                )
+        if self.max_prefill_tokens is not None and n > self.max_prefill_tokens:
+            raise ValueError(
+                f"The prompt has {n} tokens, more than max_num_batched_tokens="
+                f"{self.max_prefill_tokens} (one step's budget, which holds a whole prompt "
+                "when chunked prefill is off); enable_chunked_prefill=True computes it in "
+                "chunks."
+            )
 
 
 def _unwrap_prompt_dict(prompt: object) -> tuple[Any, str | None]:

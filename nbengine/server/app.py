@@ -7,6 +7,12 @@ aborts it with the core's confirmation (docs/lifecycle.md, "The invariant").
 Each request's engine id is ``"server:" + <id>``, where ``<id>`` is the client's
 ``X-Request-Id`` header or a fresh ``cmpl-...``/``chatcmpl-...`` id; the ``server:``
 prefix is the source the dashboard shows (``nbengine/request_source.py``).
+
+A request that cannot finish is answered, never cut: with the engine gone
+(``EngineDeadError``) or the server stopping (``begin_stop``: the request is aborted with
+confirmation), a non-streaming request gets a 503 and a stream a last error event, then
+``data: [DONE]``. A request that fails on its own while the engine serves on gets its
+own error (docs/serving.md, "Errors").
 """
 
 from __future__ import annotations
@@ -28,21 +34,56 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from nbengine.frontend.handles import RequestHandle
+from nbengine.model.chat_template import NoChatTemplateError
 from nbengine.outputs import RequestOutput
-from nbengine.request import EngineDeadError, RequestIdInUseError
+from nbengine.request import EngineDeadError, RequestIdInUseError, RequestStatus
 from nbengine.server import protocol as P
 from nbengine.server.limits import ServerLimits
 
-__all__ = ["ServerLimits", "build_app", "live_request_ids"]
+__all__ = ["ServerLimits", "begin_stop", "build_app", "live_request_ids"]
 
 logger = logging.getLogger(__name__)
 
 SOURCE_PREFIX = "server:"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_CONTENT_LENGTH_RE = re.compile(r"[0-9]{1,18}")  # ASCII digits: isdigit() also takes '²'
+_PROMPT_TOO_LONG_RE = re.compile(r"^The prompt has \d+ tokens, more than ")
 
 
 def _error(exc: P.ProtocolError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _engine_dead(message: str) -> P.ProtocolError:
+    return P.ProtocolError(503, message, type="server_error", code="engine_dead")
+
+
+def _server_stopping() -> P.ProtocolError:
+    return P.ProtocolError(
+        503,
+        "The server is shutting down; the request was aborted.",
+        type="server_error",
+        code="server_stopping",
+    )
+
+
+def _no_chat_template(exc: NoChatTemplateError) -> P.ProtocolError:
+    """The engine's message is advice for Python callers (and names a local path); an
+    HTTP client needs the server's: how the server is given a template."""
+    names = re.search(r"one of (\[.*?\])", str(exc))
+    if names:  # several named templates, none the default
+        what = f"The served model has several chat templates {names.group(1)} and no default"
+        which = " (FILE_OR_TEXT may be one of those names)"
+    else:
+        what, which = "The served model has no chat template", ""
+    return P.ProtocolError(
+        400,
+        f"{what}, so this server cannot render chat messages. Start the server with a "
+        f"chat template: nbengine serve MODEL --chat-template FILE_OR_TEXT{which}, or "
+        "engine.serve(chat_template=...) with the Jinja source in Python. Or send a "
+        "plain prompt to /v1/completions.",
+        code="no_chat_template",
+    )
 
 
 class _ServerState:
@@ -56,6 +97,24 @@ class _ServerState:
         self.api_key = api_key.encode("utf-8") if api_key is not None else None
         self.limits = limits
         self.live: set[RequestHandle] = set()  # handles started and not yet finished
+        # Set once by begin_stop(), on the server's loop: the server is shutting down.
+        self.stopping = False
+        self._stop_event: anyio.Event | None = None  # made on the server's loop, lazily
+
+    def begin_stop(self) -> None:
+        """The server is stopping: refuse new requests, end the live ones with a 503 (or
+        a stream's error event) after aborting them. Call on the server's loop."""
+        self.stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    async def wait_stop(self) -> None:
+        """Return once ``begin_stop`` has been called (on the server's loop)."""
+        if self._stop_event is None:
+            self._stop_event = anyio.Event()
+            if self.stopping:
+                self._stop_event.set()
+        await self._stop_event.wait()
 
     # ---------------------------------------------------------------- checks
 
@@ -74,10 +133,12 @@ class _ServerState:
             )
 
     def check_alive(self) -> None:
-        if not self.engine.is_alive:
+        if self.stopping:
             raise P.ProtocolError(
-                503, "The engine is not running.", type="server_error", code="engine_dead"
+                503, "The server is shutting down.", type="server_error", code="server_stopping"
             )
+        if not self.engine.is_alive:
+            raise _engine_dead("The engine is not running.")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -91,7 +152,11 @@ class _ServerState:
     async def read_json(self, request: Request) -> Any:
         limit = self.limits.max_request_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if (
+            declared is not None
+            and _CONTENT_LENGTH_RE.fullmatch(declared)
+            and int(declared) > limit
+        ):
             raise P.ProtocolError(
                 413, f"The request body exceeds {limit} bytes.", code="request_too_large"
             )
@@ -102,10 +167,7 @@ class _ServerState:
                 raise P.ProtocolError(
                     413, f"The request body exceeds {limit} bytes.", code="request_too_large"
                 )
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise P.ProtocolError(400, f"The request body is not valid JSON: {exc}.") from None
+        return P.decode_json(bytes(body))
 
     def request_id(self, request: Request, prefix: str) -> tuple[str, str]:
         """(the id shown to the client, the engine's request id)."""
@@ -122,8 +184,9 @@ class _ServerState:
             rid = given
         return rid, SOURCE_PREFIX + rid
 
-    def start(self, start: Callable[[], RequestHandle]) -> RequestHandle:
-        """Run ``engine.generate``/``chat`` mapping its errors to HTTP errors."""
+    def start(self, start: Callable[[], RequestHandle], prompt_field: str) -> RequestHandle:
+        """Run ``engine.generate``/``chat`` mapping its errors to HTTP errors; an error
+        about the prompt names ``prompt_field`` (``prompt`` or ``messages``)."""
         try:
             handle = start()
         except RequestIdInUseError as exc:
@@ -131,11 +194,51 @@ class _ServerState:
                 409, str(exc), param="X-Request-Id", code="request_id_in_use"
             ) from None
         except EngineDeadError as exc:
-            raise P.ProtocolError(503, str(exc), type="server_error", code="engine_dead") from None
+            raise _engine_dead(str(exc)) from None
+        except NoChatTemplateError as exc:
+            raise _no_chat_template(exc) from None
         except (ValueError, TypeError) as exc:
-            raise P.ProtocolError(400, str(exc), param=P.field_of(str(exc))) from None
+            raise _refusal(str(exc), prompt_field) from None
         self.live.add(handle)
         return handle
+
+
+def _refusal(message: str, prompt_field: str) -> P.ProtocolError:
+    """A 400 for the engine's refusal ``message``, naming the field it is about."""
+    param = P.field_of(message)
+    code = None
+    if param is None and message.startswith(("The prompt", "Prompt ")):
+        param = prompt_field
+    if _PROMPT_TOO_LONG_RE.match(message):  # max_model_len, the KV pool, the step budget
+        code = "context_length_exceeded"  # OpenAI's code for a prompt that does not fit
+    return P.ProtocolError(400, message, param=param, code=code)
+
+
+def _failure(
+    state: _ServerState, handle: RequestHandle, out: RequestOutput
+) -> P.ProtocolError | None:
+    """Why the finished ``out`` is not a result to send, or None if it is one.
+
+    Aborted by the server's stop: 503. Refused by the core (FINISHED_IGNORED; generate()
+    refuses such prompts first): 400. Failed on its own while the engine serves on
+    (FINISHED_ERROR): 500 with its message (never "engine dead").
+    """
+    status = out.status
+    if status is RequestStatus.FINISHED_ABORTED and state.stopping:
+        return _server_stopping()
+    final = handle.final_output
+    error = out.error or (final.error if final is not None else None)
+    if status is RequestStatus.FINISHED_IGNORED:
+        return P.ProtocolError(
+            400, error or "The request cannot be scheduled.", code="context_length_exceeded"
+        )
+    if status is RequestStatus.FINISHED_ERROR or error is not None:
+        if not state.engine.is_alive:
+            return _engine_dead(error or "The engine is not running.")
+        return P.ProtocolError(
+            500, error or "The request failed.", type="server_error", code="request_failed"
+        )
+    return None
 
 
 # ------------------------------------------------------------------- streaming
@@ -173,6 +276,7 @@ class _EventStream(Response):
                     tg.cancel_scope.cancel()  # the client left: stop streaming
 
                 tg.start_soon(watch)
+                tg.start_soon(_abort_on_stop, self._state, handle)
                 await send(
                     {
                         "type": "http.response.start",
@@ -198,6 +302,16 @@ class _EventStream(Response):
             await _finish(self._state, handle)
 
 
+async def _abort_on_stop(state: _ServerState, handle: RequestHandle) -> None:
+    """When the server begins to stop, abort ``handle`` (confirmed): its consumer then
+    sees the aborted final output and answers 503 / a last error event."""
+    await state.wait_stop()
+    try:
+        await handle.cancel_async()
+    except EngineDeadError:
+        pass  # the consumer sees the engine's end itself
+
+
 async def _finish(state: _ServerState, handle: RequestHandle) -> None:
     """Abort ``handle`` unless it finished, awaiting the core's confirmation (shielded from
     the cancellation that brought us here), so its id is free when this returns."""
@@ -217,10 +331,12 @@ def _sse(obj: Any) -> str:
 
 async def _await_final(
     state: _ServerState, request: Request, handle: RequestHandle
-) -> RequestOutput | None:
-    """The final output, or None if the client disconnected first (then the request
-    was aborted with confirmation)."""
+) -> RequestOutput | P.ProtocolError | None:
+    """The final output; the error to answer when it cannot finish (engine gone, server
+    stopping, the request failed); or None if the client disconnected first (the request
+    was then aborted with confirmation)."""
     box: list[RequestOutput] = []
+    dead: EngineDeadError | None = None
     try:
         async with anyio.create_task_group() as tg:
 
@@ -230,14 +346,22 @@ async def _await_final(
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch)
+            tg.start_soon(_abort_on_stop, state, handle)
             # FINAL_ONLY: the one stream output is the final one; iterating (rather than
             # `await handle`) ends it cleanly when this scope is cancelled.
-            async for out in handle:
-                box.append(out)
+            try:
+                async for out in handle:
+                    box.append(out)
+            except EngineDeadError as exc:
+                dead = exc
             tg.cancel_scope.cancel()
     finally:
         await _finish(state, handle)
-    return box[-1] if box and box[-1].finished else None
+    if dead is not None:
+        return _engine_dead(str(dead))
+    if not box or not box[-1].finished:
+        return None
+    return _failure(state, handle, box[-1]) or box[-1]
 
 
 # ---------------------------------------------------------------------- routes
@@ -280,11 +404,7 @@ def build_app(
     async def health(request: Request) -> Response:
         if engine.is_alive:
             return Response(status_code=200)
-        return _error(
-            P.ProtocolError(
-                503, "The engine is not running.", type="server_error", code="engine_dead"
-            )
-        )
+        return _error(_engine_dead("The engine is not running."))
 
     async def completions(request: Request) -> Response:
         try:
@@ -308,22 +428,24 @@ def build_app(
                 stream_interval=state.limits.stream_interval,
             )
             rid, engine_id = state.request_id(request, "cmpl")
-            handle = state.start(lambda: engine.generate(prompt, params, request_id=engine_id))
+            handle = state.start(
+                lambda: engine.generate(prompt, params, request_id=engine_id), "prompt"
+            )
         except P.ProtocolError as exc:
             return _error(exc)
         created = P.now()
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if req.stream:
             return _EventStream(
-                state, handle, _completion_events(handle, head, tokenizer, req.stream_options)
+                state,
+                handle,
+                _completion_events(state, handle, head, tokenizer, req.stream_options),
             )
         final = await _await_final(state, request, handle)
         if final is None:
             return Response(status_code=499)
-        if final.error is not None:
-            return _error(
-                P.ProtocolError(503, final.error, type="server_error", code="engine_dead")
-            )
+        if isinstance(final, P.ProtocolError):
+            return _error(final)
         choices = [
             {
                 "index": c.index,
@@ -362,7 +484,8 @@ def build_app(
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     chat_template_kwargs=req.chat_template_kwargs,
-                )
+                ),
+                "messages",
             )
         except P.ProtocolError as exc:
             return _error(exc)
@@ -373,6 +496,7 @@ def build_app(
                 state,
                 handle,
                 _chat_events(
+                    state,
                     handle,
                     {**head, "object": "chat.completion.chunk"},
                     tokenizer,
@@ -383,10 +507,8 @@ def build_app(
         final = await _await_final(state, request, handle)
         if final is None:
             return Response(status_code=499)
-        if final.error is not None:
-            return _error(
-                P.ProtocolError(503, final.error, type="server_error", code="engine_dead")
-            )
+        if isinstance(final, P.ProtocolError):
+            return _error(final)
         choices = [
             {
                 "index": c.index,
@@ -427,6 +549,13 @@ def live_request_ids(app: Starlette) -> list[str]:
     return [h.request_id for h in list(state.live) if not h.done()]
 
 
+def begin_stop(app: Starlette) -> None:
+    """Tell ``app``'s routes that the server is stopping (call on the server's loop):
+    new requests get 503, live ones are aborted and answered 503 / a last error event."""
+    state: _ServerState = app.state.nbengine
+    state.begin_stop()
+
+
 # ------------------------------------------------------------------ event bodies
 
 
@@ -454,7 +583,45 @@ def _usage_state(stream_options: P.StreamOptions | None) -> bool:
     return stream_options is not None and stream_options.include_usage
 
 
+def _error_event(exc: P.ProtocolError) -> str:
+    """A stream's last event before ``[DONE]``: the error, in OpenAI's shape."""
+    return _sse(exc.body())
+
+
+class _Outputs:
+    """``handle``'s stream outputs; when the request cannot finish (the engine gone, the
+    server stopping, the request failed), a ProtocolError instead of its last output.
+
+    An iterator object rather than an async generator: a stream left early (the client
+    gone) holds no suspended frame to finalize; ``_finish`` aborts the request.
+    """
+
+    def __init__(self, state: _ServerState, handle: RequestHandle) -> None:
+        self._state = state
+        self._handle = handle
+        self._stream = aiter(handle)
+        self._done = False
+
+    def __aiter__(self) -> _Outputs:
+        return self
+
+    async def __anext__(self) -> RequestOutput | P.ProtocolError:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await anext(self._stream)
+        except EngineDeadError as exc:
+            self._done = True
+            return _engine_dead(str(exc))
+        failure = _failure(self._state, self._handle, out) if out.finished else None
+        if failure is None:
+            return out
+        self._done = True
+        return failure
+
+
 async def _completion_events(
+    state: _ServerState,
     handle: RequestHandle,
     head: dict[str, Any],
     tokenizer: Any,
@@ -464,11 +631,9 @@ async def _completion_events(
     offsets: dict[int, int] = {}
     prefix = _prefix(head)
     want_logprobs = handle.sampling_params.logprobs is not None
-    async for out in handle:
-        if out.error is not None:
-            yield _sse(
-                P.ProtocolError(503, out.error, type="server_error", code="engine_dead").body()
-            )
+    async for out in _Outputs(state, handle):
+        if isinstance(out, P.ProtocolError):
+            yield _error_event(out)
             break
         if _plain(out, want_logprobs):  # the common chunk: one choice, text only
             c = out.outputs[0]
@@ -505,6 +670,7 @@ async def _completion_events(
 
 
 async def _chat_events(
+    state: _ServerState,
     handle: RequestHandle,
     head: dict[str, Any],
     tokenizer: Any,
@@ -530,11 +696,9 @@ async def _chat_events(
                 ],
             }
         )
-    async for out in handle:
-        if out.error is not None:
-            yield _sse(
-                P.ProtocolError(503, out.error, type="server_error", code="engine_dead").body()
-            )
+    async for out in _Outputs(state, handle):
+        if isinstance(out, P.ProtocolError):
+            yield _error_event(out)
             break
         if _plain(out, want_logprobs):  # the common chunk: one choice, text only
             c = out.outputs[0]

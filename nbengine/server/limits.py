@@ -6,10 +6,24 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MAX_TOKENS", "ServerLimits", "is_loopback"]
+__all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_MAX_TOKENS",
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_INT_DIGITS",
+    "ServerLimits",
+    "is_loopback",
+]
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 4096
+# A request body may nest arrays and objects this deep (OpenAI's requests need under
+# 10): deeper ones are refused before decoding, so nothing downstream (the decoder,
+# validation, a chat template) recurses without bound.
+MAX_JSON_DEPTH = 64
+# A JSON integer may have this many digits (a 64-bit seed has 20): longer ones are
+# refused without converting them (str -> int takes quadratic time).
+MAX_JSON_INT_DIGITS = 100
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,17 @@ whose own validation (``nbengine/sampling_params.py``) names the field of any va
 of range. Every error leaves as OpenAI's JSON error shape::
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+Bodies are decoded by ``decode_json``, which refuses what Python's decoder would accept
+but the rest of the server cannot take: nesting deeper than ``MAX_JSON_DEPTH``, integers
+longer than ``MAX_JSON_INT_DIGITS`` digits, ``NaN``/``Infinity`` and numbers beyond a
+float's range, each a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import time
 from typing import Any
@@ -18,16 +25,25 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from nbengine.outputs import CompletionOutput
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
+from nbengine.server.limits import MAX_JSON_DEPTH, MAX_JSON_INT_DIGITS
 
 __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "ProtocolError",
+    "decode_json",
     "parse_request",
     "to_sampling_params",
 ]
 
 _FIELD_RE = re.compile(r"^([a-z_]+) ")
+# A token id as logit_bias keys write it: ASCII digits only (str.isdigit() also takes
+# '²' and '٣', which int() then refuses or reads as another number).
+_TOKEN_ID_RE = re.compile(r"[0-9]{1,18}")
+# What the nesting scan looks at: a whole JSON string (brackets inside it do not count),
+# a bracket, or the colon after an object's key.
+_JSON_TOKEN_RE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}:]')
+_LONG_DIGITS_RE = re.compile(rf"[0-9]{{{MAX_JSON_INT_DIGITS + 1},}}")
 
 
 class ProtocolError(Exception):
@@ -132,6 +148,136 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+def short(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to about ``limit`` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class _Refused:
+    """A JSON number the decoder met and refused; reported with its field afterwards."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def decode_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The request body decoded as JSON, or a ProtocolError(400) naming the field at fault.
+
+    Python's decoder recurses once per level (RecursionError on deep input), converts
+    integers of any length (in quadratic time, up to ``sys.get_int_max_str_digits()``),
+    and accepts ``NaN``, ``Infinity`` and ``1e999`` (infinite). Each is refused here.
+    """
+    try:
+        text = body.decode(json.detect_encoding(body), "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(400, f"The request body is not valid JSON: {exc}.") from None
+    if text.count("[") + text.count("{") > max_depth:  # else it cannot nest that deep
+        too_deep, field = _nesting_above(text, max_depth)
+        if too_deep:
+            where = f"{field}: the value" if field is not None else "The request body"
+            raise ProtocolError(
+                400,
+                f"{where} is nested more than {max_depth} levels deep (arrays and objects).",
+                param=field,
+            )
+    refused: list[_Refused] = []
+
+    def refuse(why: str) -> _Refused:
+        refused.append(_Refused(why))
+        return refused[-1]
+
+    def number(literal: str) -> float | _Refused:
+        value = float(literal)
+        if math.isfinite(value):
+            return value
+        return refuse(f"{short(literal)} is beyond the range of a float")
+
+    def integer(literal: str) -> int | _Refused:
+        digits = len(literal.lstrip("-"))
+        if digits > MAX_JSON_INT_DIGITS:
+            return refuse(
+                f"an integer of {digits} digits is refused (at most {MAX_JSON_INT_DIGITS})"
+            )
+        return int(literal)
+
+    def constant(name: str) -> _Refused:
+        return refuse(f"{name} is not a JSON number")
+
+    # Integers go through `integer` only when the text has a long run of digits: a
+    # Python call per number would slow down prompts of token ids.
+    long_digits = _LONG_DIGITS_RE.search(text) is not None
+    try:
+        value = json.loads(
+            text,
+            parse_float=number,
+            parse_int=integer if long_digits else None,
+            parse_constant=constant,
+        )
+    except RecursionError:  # not reached after the scan above; kept as a guard
+        raise ProtocolError(
+            400, f"The request body is nested more than {max_depth} levels deep."
+        ) from None
+    except ValueError as exc:
+        raise ProtocolError(400, f"The request body is not valid JSON: {exc}.") from None
+    if refused:
+        path, why = _find_refused(value)
+        raise ProtocolError(400, f"{path}: {why}." if path else f"{why}.", param=path)
+    return value
+
+
+def _nesting_above(text: str, limit: int) -> tuple[bool, str | None]:
+    """(True, the top-level key it is under) if ``text`` nests deeper than ``limit``.
+
+    A scan of strings and brackets, without recursion; ``text`` need not be valid JSON
+    (the decoder judges that).
+    """
+    depth = 0
+    last: str | None = None  # the last string: an object's key when a colon follows
+    key: str | None = None
+    for m in _JSON_TOKEN_RE.finditer(text):
+        token = m.group()
+        c = token[0]
+        if c == '"':
+            last = token
+        elif c == ":":
+            if depth == 1:
+                key = last
+        elif c in "[{":
+            depth += 1
+            if depth > limit:
+                return True, _unquote(key) if key is not None else None
+        else:
+            depth -= 1
+    return False, None
+
+
+def _unquote(token: str) -> str:
+    try:
+        value = json.loads(token)
+    except ValueError:
+        value = token[1:-1]
+    return value if len(value) <= 60 else value[:60] + "..."
+
+
+def _find_refused(value: Any) -> tuple[str | None, str]:
+    """The dotted path of the first ``_Refused`` in a decoded body, and why."""
+    if isinstance(value, _Refused):
+        return None, value.why
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    while stack:
+        node, path = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if isinstance(child, _Refused):
+                return ".".join((*path, str(key))), child.why
+            if isinstance(child, (dict, list)):
+                stack.append((child, (*path, str(key))))
+    return None, "a number in the body is refused"
+
+
 def parse_request(cls: type[_Strict], body: Any) -> Any:
     """Validate a decoded JSON body as ``cls``; a ProtocolError(400) names the field."""
     if not isinstance(body, dict):
@@ -142,7 +288,7 @@ def parse_request(cls: type[_Strict], body: Any) -> Any:
         return cls.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        param = ".".join(str(p) for p in err["loc"])[:200] or None
         raise ProtocolError(400, f"{param}: {err['msg']}", param=param) from None
 
 
@@ -203,9 +349,12 @@ def to_sampling_params(
     if req.logit_bias is not None:
         bias = {}
         for tok, value in req.logit_bias.items():
-            if not tok.isdigit():
+            if not _TOKEN_ID_RE.fullmatch(tok):
                 raise ProtocolError(
-                    400, f"logit_bias keys must be token ids, got {tok!r}.", param="logit_bias"
+                    400,
+                    'logit_bias keys must be token ids in decimal digits (such as "50256"), '
+                    f"got {short(tok)}.",
+                    param="logit_bias",
                 )
             bias[int(tok)] = value
     fields: dict[str, Any] = dict(

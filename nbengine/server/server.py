@@ -106,6 +106,7 @@ class Server:
         )
         self._uvicorn = uvicorn.Server(config)
         self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server thread's, once it runs
         self._thread = threading.Thread(target=self._run, name="nbengine-server", daemon=True)
         self._thread.start()
         self._wait_started()
@@ -118,10 +119,14 @@ class Server:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._uvicorn.serve(sockets=[self._sock]))
+            asyncio.run(self._serve())
         except BaseException as exc:  # reported by _wait_started or logged
             self._error = exc
             logger.exception("the nbengine server stopped with an error")
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._uvicorn.serve(sockets=[self._sock])
 
     def _wait_started(self) -> None:
         import time
@@ -139,16 +144,24 @@ class Server:
         return self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop serving: open streams end, their requests are aborted (confirmed), and
-        the port is closed. Idempotent."""
+        """Stop serving: live requests are aborted (confirmed) and answered 503 (a stream
+        with a last error event, then ``[DONE]``), and the port is closed. Idempotent."""
+        from nbengine.server.app import begin_stop, live_request_ids
+
+        loop = self._loop
+        if loop is not None and self._thread.is_alive():
+            # Before uvicorn's shutdown, so the routes answer within its grace period
+            # rather than being cancelled at its end (a 500 or a cut stream).
+            try:
+                loop.call_soon_threadsafe(begin_stop, self.app)
+            except RuntimeError:  # the loop has closed: nothing is being served
+                pass
         self._uvicorn.should_exit = True
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 self._uvicorn.force_exit = True
                 self._thread.join(timeout)
-        from nbengine.server.app import live_request_ids
-
         leftover = live_request_ids(self.app)
         if leftover and self.engine.is_alive:  # streams cut by the shutdown
             try:

@@ -227,21 +227,48 @@ def test_core_thread_vanishing_silently(tiny_model: Path) -> None:
 
 
 def test_kv_pool_too_small_for_any_prompt(tiny_model: Path) -> None:
+    """A prompt the whole KV pool can never hold is refused at generate(), as one longer
+    than max_model_len is (it used to end "length" with no tokens and an error)."""
     with nb.Engine(str(tiny_model), num_kv_blocks=1, block_size=4) as engine:
-        h = engine.generate("Once upon a time there was", SP(max_tokens=4), request_id="big")
-        final = h.result(timeout=WAIT_S)
-        assert final.status is RequestStatus.FINISHED_IGNORED
-        assert final.outputs[0].finish_reason == "length"
-        assert final.outputs[0].token_ids == []
-        assert final.error is not None and "KV blocks" in final.error, final.error
-        # The id is free again, the engine still serves prompts that fit ...
+        prompt = "Once upon a time there was"
+        n = len(engine.tokenizer.encode(prompt))
+        assert n > 4
+        with pytest.raises(
+            ValueError,
+            match=rf"^The prompt has {n} tokens, more than the KV cache holds "
+            r"\(1 block of 4 tokens = 4 tokens\)",
+        ):
+            engine.generate(prompt, SP(max_tokens=4), request_id="big")
+        # Nothing was registered: the id is free, the engine still serves prompts that fit ...
         small = engine.generate([1, 2], SP(max_tokens=10, ignore_eos=True), request_id="big")
         out = small.result(timeout=WAIT_S)
         # ... capped by the pool: 4 tokens in all, 2 of them the prompt.
         assert out.outputs[0].finish_reason == "length"
         assert len(out.outputs[0].token_ids) == 2
+        # A prompt of exactly the pool's size is accepted and gets its token.
+        full = engine.generate([1, 2, 3, 4], SP(max_tokens=10, ignore_eos=True)).result(WAIT_S)
+        assert full.outputs[0].finish_reason == "length" and full.outputs[0].token_ids
         assert_quiescent(engine)
     _fresh_engine_works(tiny_model)
+
+
+def test_a_prompt_above_the_step_budget_without_chunked_prefill_is_refused(
+    tiny_model: Path,
+) -> None:
+    """Without chunked prefill a prompt must fit one step's token budget: one that does
+    not is refused at generate() (the core would end it "length" with no tokens)."""
+    with nb.Engine(
+        str(tiny_model), max_num_batched_tokens=8, enable_chunked_prefill=False
+    ) as engine:
+        with pytest.raises(
+            ValueError,
+            match=r"^The prompt has 9 tokens, more than max_num_batched_tokens=8 .*"
+            r"enable_chunked_prefill",
+        ):
+            engine.generate(list(range(1, 10)), SP(max_tokens=2), request_id="wide")
+        out = engine.generate(list(range(1, 9)), SP(max_tokens=2), request_id="wide")
+        assert out.result(timeout=WAIT_S).outputs[0].finish_reason is not None
+        assert_quiescent(engine)
 
 
 def test_kv_pool_pressure_preempts_and_everyone_finishes(tiny_model: Path) -> None:
