@@ -55,11 +55,17 @@ class StandInRequest:
             self.wakers.append(wake)
         await wait(timeout)
 
-    async def wait_forever(self) -> None:
-        """What ``await h`` does with a request that never finishes by itself."""
+    async def wait_forever(self, signal_after: int | None = None) -> None:
+        """What ``await h`` does with a request that never finishes by itself; with
+        ``signal_after``, the coroutine itself raises SIGINT after that many waits (so
+        Python 3.10 raises ``KeyboardInterrupt`` inside the coroutine)."""
         try:
+            waits = 0
             while True:
-                await self._wait(False, 0.25)
+                await self._wait(False, 0.25 if signal_after is None else 0.02)
+                waits += 1
+                if waits == signal_after:
+                    signal.raise_signal(signal.SIGINT)
         except BaseException as exc:
             if self.waiter.interrupts_the_caller(exc):
                 threading.Timer(CONFIRM_DELAY_S, self._confirm).start()
@@ -73,10 +79,13 @@ def sigint_soon() -> None:
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
 
 
-def scenario_sigint(waiter: ModuleType, nested: bool) -> dict[str, Any]:
+def scenario_sigint(waiter: ModuleType, nested: bool, inside: bool = False) -> dict[str, Any]:
     req = StandInRequest(waiter)
 
     async def main() -> None:
+        if inside:
+            await req.wait_forever(signal_after=5)
+            return
         sigint_soon()
         if nested:  # the waiting coroutine is a child task of the main one
             await asyncio.gather(req.wait_forever())
@@ -135,6 +144,7 @@ def main() -> None:
     results = {
         "sigint": scenario_sigint(waiter, nested=False),
         "sigint_nested": scenario_sigint(waiter, nested=True),
+        "sigint_inside": scenario_sigint(waiter, nested=False, inside=True),
         "cancel_twice": scenario_cancel_twice(waiter),
         "timeout": scenario_timeout(waiter),
     }
