@@ -443,19 +443,14 @@ class Engine:
     async def abort_async(
         self, request_ids: str | Iterable[str]
     ) -> RequestOutput | list[RequestOutput | None] | None:
-        """``abort()`` for asyncio and trio callers: awaits the core's confirmation."""
+        """``abort()`` for asyncio and trio callers: awaits the core's confirmation (a
+        cancellation meanwhile propagates once the aborts are confirmed, docs/lifecycle.md)."""
         ids, single = self._normalise_ids(request_ids)
         try:
             futures = self._bridge.call(self._registry.start_aborts, ids)
         except EngineDeadError:
             return None if single else [None] * len(ids)
-        results: list[RequestOutput | None] = []
-        for f in futures:
-            if f is None:
-                results.append(None)
-            else:
-                out: RequestOutput = await self._bridge.await_future(f)
-                results.append(out)
+        results = await self._bridge.await_all(futures)
         return results[0] if single else results
 
     def abort_nowait(self, request_id: str, key: str | None = None) -> None:

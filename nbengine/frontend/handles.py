@@ -23,7 +23,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from nbengine.frontend.waiter import make_async_waiter
+from nbengine.frontend.waiter import ABORT_CONFIRM_S, interrupts_the_caller, make_async_waiter
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
@@ -434,24 +434,65 @@ class RequestHandle:
         self._claim_consumer()
         return _AsyncStream(self)
 
-    async def _wait_async(self, ready: Callable[[], bool]) -> None:
-        """Wait on the caller's loop until ``ready()`` (checked under the lock)."""
+    async def _wait_async(self, ready: Callable[[], bool], until: float | None = None) -> bool:
+        """Wait on the caller's loop until ``ready()`` (checked under the lock); True then.
+
+        With ``until`` (a ``time.monotonic()`` reading) the wait is shielded from
+        cancellation and returns False once ``until`` passes.
+        """
         while True:
             with self._cond:
                 if ready():
-                    return
-                wake, wait = make_async_waiter()
+                    return True
+                timeout = _ASYNC_WAKE_S
+                if until is not None:
+                    timeout = min(timeout, until - time.monotonic())
+                    if timeout <= 0:
+                        return False
+                wake, wait = make_async_waiter(shielded=until is not None)
                 self._wakers.append(wake)
             try:
-                await wait(_ASYNC_WAKE_S)
+                await wait(timeout)
             finally:
                 with self._cond:
                     if wake in self._wakers:
                         self._wakers.remove(wake)
             with self._cond:
                 if ready():
-                    return
+                    return True
             self._engine.check_health()
+
+    async def _leave_async(self, exc: BaseException) -> None:
+        """``exc`` leaves an async wait on this live request: the request must not run on.
+
+        A cancellation or ``KeyboardInterrupt`` aborts it and awaits the core's
+        confirmation, shielded, for at most ``ABORT_CONFIRM_S``, so whoever catches the
+        exception finds the request FINISHED_ABORTED and its id free, as in the sync path
+        (docs/lifecycle.md). Other exceptions (a dead engine) only schedule the abort.
+        """
+        if interrupts_the_caller(exc):
+            await self._abort_confirmed()
+        else:
+            self._cancel_quietly(block=False)
+
+    async def _abort_confirmed(self) -> None:
+        """Abort this request and await its final output, shielded and bounded."""
+        if self._final is not None:
+            return
+        self._cancel_quietly(block=False)
+        try:
+            confirmed = await self._wait_async(
+                lambda: self._final is not None, time.monotonic() + ABORT_CONFIRM_S
+            )
+        except Exception:  # the engine died meanwhile: its requests are failed, not waited
+            logger.debug("awaiting the abort of %r failed", self.request_id, exc_info=True)
+            return
+        if not confirmed:
+            logger.warning(
+                "the abort of request %r was not confirmed within %s s; it completes later",
+                self.request_id,
+                ABORT_CONFIRM_S,
+            )
 
     async def _next_async(self) -> RequestOutput | None:
         box: list[Any] = []
@@ -470,14 +511,15 @@ class RequestHandle:
         """``await h``: wait for the final output on any asyncio or trio loop.
 
         Cancelling the awaiting task aborts the request (as leaving ``async for`` early
-        does; vLLM's ``AsyncLLM.generate`` behaves the same): the task sees
-        ``CancelledError`` and the request ends FINISHED_ABORTED once the core confirms.
-        Shield the await (``asyncio.shield``) to let the request run on.
+        does; vLLM's ``AsyncLLM.generate`` behaves the same): the request ends
+        FINISHED_ABORTED, and the task sees ``CancelledError`` once the core has confirmed
+        it (a ``KeyboardInterrupt`` likewise). Shield the await (``asyncio.shield``) to let
+        the request run on.
         """
         try:
             await self._wait_async(lambda: self._final is not None)
-        except BaseException:
-            self._cancel_quietly(block=False)
+        except BaseException as exc:
+            await self._leave_async(exc)
             raise
         if self._error is not None:
             raise EngineDeadError(str(self._error))
@@ -511,10 +553,10 @@ class _AsyncStream:
             raise StopAsyncIteration
         try:
             out = await self._handle._next_async()
-        except BaseException:
+        except BaseException as exc:
             # Cancelled task, KeyboardInterrupt, dead engine: the request must not run on.
             self._done = True
-            self._handle._cancel_quietly(block=False)
+            await self._handle._leave_async(exc)
             raise
         if out is None:
             self._done = True
@@ -524,9 +566,10 @@ class _AsyncStream:
         return out
 
     async def aclose(self) -> None:
+        """Leave the stream: abort the request and await the core's confirmation."""
         if not self._done:
             self._done = True
-            self._handle._cancel_quietly(block=False)
+            await self._handle._abort_confirmed()
 
     def __del__(self) -> None:
         # `break` out of `async for` drops the iterator: cancel what is still running.

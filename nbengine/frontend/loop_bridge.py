@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,7 +30,7 @@ import anyio.from_thread
 
 from nbengine.core.client import CoreClient
 from nbengine.core.messages import EngineCoreOutputs
-from nbengine.frontend.waiter import make_async_waiter
+from nbengine.frontend.waiter import ABORT_CONFIRM_S, interrupts_the_caller, make_async_waiter
 from nbengine.request import EngineDeadError
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _WAKE_S = 0.1
+_ASYNC_WAKE_S = 0.25
 _CORE_DEATH_GRACE_S = 2.0  # a dead core thread whose failure the loop has not delivered
 
 
@@ -135,14 +136,55 @@ class LoopBridge:
                 self.check_health()
 
     async def await_future(self, fut: Future[T]) -> T:
-        """``wait_future`` for a coroutine on any asyncio or trio loop."""
-        while not fut.done():
-            wake, wait = make_async_waiter()
-            fut.add_done_callback(_call_ignoring_future(wake))
-            await wait(0.25)
-            if not fut.done():
-                self.check_health()
+        """``wait_future`` for a coroutine on any asyncio or trio loop (see ``await_all``)."""
+        await self.await_all([fut])
         return fut.result()
+
+    async def await_all(self, futures: Sequence[Future[T] | None]) -> list[T | None]:
+        """Await the abort confirmations ``futures`` (None: nothing to await) on any asyncio
+        or trio loop; their results, in order.
+
+        A cancellation or ``KeyboardInterrupt`` meanwhile does not cut them short: they
+        are awaited on, shielded, for at most ``ABORT_CONFIRM_S`` before it propagates
+        (docs/lifecycle.md), so its catcher finds every abort it asked for confirmed.
+        """
+        pending = [f for f in futures if f is not None]
+        try:
+            await self._await_done(pending, None)
+        except BaseException as exc:
+            if interrupts_the_caller(exc):
+                await self._await_done_quietly(pending)
+            raise
+        return [None if f is None else f.result() for f in futures]
+
+    async def _await_done(self, futures: list[Future[T]], until: float | None) -> bool:
+        """Wait until every future is done (True), shielded and giving up at ``until``
+        (a ``time.monotonic()`` reading; False then) when it is given."""
+        for fut in futures:
+            while not fut.done():
+                timeout = _ASYNC_WAKE_S
+                if until is not None:
+                    timeout = min(timeout, until - time.monotonic())
+                    if timeout <= 0:
+                        return False
+                wake, wait = make_async_waiter(shielded=until is not None)
+                fut.add_done_callback(_call_ignoring_future(wake))
+                await wait(timeout)
+                if not fut.done():
+                    self.check_health()
+        return True
+
+    async def _await_done_quietly(self, futures: list[Future[T]]) -> None:
+        """``_await_done``, shielded and bounded, while an interruption propagates."""
+        try:
+            confirmed = await self._await_done(futures, time.monotonic() + ABORT_CONFIRM_S)
+        except Exception:  # the engine died meanwhile: nothing will confirm
+            logger.debug("awaiting an abort's confirmation failed", exc_info=True)
+            return
+        if not confirmed:
+            logger.warning(
+                "an abort was not confirmed within %s s; it completes later", ABORT_CONFIRM_S
+            )
 
 
 def _call_ignoring_future(fn: Callable[[], None]) -> Callable[[Future[Any]], None]:

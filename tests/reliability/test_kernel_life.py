@@ -5,7 +5,9 @@
   it keeps working.
 - Process memory returns after shutdown.
 - A kernel interrupt during sync iteration of a handle ends the request as
-  FINISHED_ABORTED with the core's confirmation; the next cell can reuse the id.
+  FINISHED_ABORTED with the core's confirmation; the next cell can reuse the id. In an
+  async cell (``await h``, ``async for``) the cell's task is cancelled, and the request is
+  confirmed aborted before the cancellation reaches the cell's code.
 - An engine left running when the kernel shuts down exits cleanly (no kill, no hang).
 """
 
@@ -242,6 +244,49 @@ def test_interrupt_during_sync_iteration_aborts_with_confirmation(
     out = kernel.json(
         "eng.generate('Again', nb.SamplingParams(max_tokens=3, ignore_eos=True),"
         " request_id='intr').result(60).outputs[0].finish_reason"
+    )
+    assert out == "length"
+    kernel.run("eng.shutdown(); settle()")
+    assert kernel.json("engine_threads()") == []
+
+
+@pytest.mark.parametrize("way", ["await h", "async for"])
+def test_interrupt_in_an_async_cell_aborts_before_it_propagates(
+    kernel: Kernel, long_model: Path, way: str
+) -> None:
+    """Top-level await: ipykernel turns the interrupt into a cancellation of the cell's
+    task. The cell's own ``except`` already sees the request confirmed aborted."""
+    wait = "    await h\n" if way == "await h" else "    async for out in h:\n        pass\n"
+    kernel.run(f"eng = nb.Engine({str(long_model)!r}, num_kv_blocks=8192, block_size=8)")
+    msg_id = kernel.kc.execute(
+        "import asyncio\n"
+        "h = eng.generate('Once upon', nb.SamplingParams(max_tokens=100000, ignore_eos=True,"
+        " output_kind=nb.RequestOutputKind.DELTA), request_id='aintr')\n"
+        "caught = None\n"
+        "while not h.token_ids:\n"
+        "    await asyncio.sleep(0.01)\n"
+        "print('streaming', flush=True)\n"
+        "try:\n" + wait + "except BaseException as exc:\n"
+        "    caught = [type(exc).__name__, h.status.name]\n"
+        "    raise\n"
+    )
+    deadline = time.monotonic() + CELL_TIMEOUT
+    seen = False
+    while not seen and time.monotonic() < deadline:
+        msg = kernel.kc.get_iopub_msg(timeout=CELL_TIMEOUT)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            seen = "streaming" in msg["content"]["text"]
+    assert seen
+    time.sleep(0.2)  # the cell is in its wait on the handle by now
+    kernel.km.interrupt_kernel()
+    reply = kernel.kc.get_shell_msg(timeout=CELL_TIMEOUT)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kernel.kc.get_shell_msg(timeout=CELL_TIMEOUT)
+    assert reply["content"]["status"] == "error"
+    assert kernel.json("caught") == ["CancelledError", "FINISHED_ABORTED"]
+    out = kernel.json(
+        "eng.generate('Again', nb.SamplingParams(max_tokens=3, ignore_eos=True),"
+        " request_id='aintr').result(60).outputs[0].finish_reason"
     )
     assert out == "length"
     kernel.run("eng.shutdown(); settle()")
