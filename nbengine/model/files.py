@@ -1,7 +1,8 @@
 """Reading a model directory's small files, which may come from anyone (a Hub repo).
 
-A model directory is untrusted input (docs/models.md), and two kinds of file in it would
-otherwise hang or crash the caller instead of raising a ``ModelLoadError``:
+A model directory is untrusted input (docs/errors.md lists what is refused), and two
+kinds of file in it would otherwise hang or crash the caller instead of raising a
+``ModelLoadError``:
 
 - a path that is not a regular file: ``open()`` of a FIFO blocks until a writer comes
   (forever), a character device never ends. Every file is opened with ``O_NONBLOCK``

@@ -2,10 +2,11 @@
 checked reading of a safetensors file's header.
 
 ``read_safetensors_header`` is the one reader of weight-file headers (the memory plan and
-the loader both use it). A weight file is untrusted input (docs/models.md): the header is
-validated whole before safetensors or torch sees the file, so that a hostile one is a
-``ModelLoadError`` naming the file and the problem, never a hang (a FIFO), a
-``RecursionError`` (JSON nested 200,000 deep) or a bare ``ValueError``/``TypeError``.
+the loader both use it). A weight file is untrusted input (docs/errors.md lists what is
+refused): the header is validated whole before safetensors or torch sees the file, so
+that a hostile one is a ``ModelLoadError`` naming the file and the problem, never a hang
+(a FIFO), a ``RecursionError`` (JSON nested 200,000 deep) or a bare ``ValueError`` or
+``TypeError``.
 """
 
 from __future__ import annotations
