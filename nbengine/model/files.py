@@ -21,6 +21,7 @@ import json
 import os
 import re
 import stat
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,11 +40,13 @@ __all__ = [
 MAX_JSON_DEPTH = 64
 """The deepest nesting of arrays and objects accepted in a model's JSON file."""
 
-# A JSON string, escapes included ('"' and '\\' never occur inside a UTF-8 multi-byte
-# sequence, so bytes are matched safely). The alternatives are disjoint: linear time.
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# An escape inside a JSON string: a backslash and the byte after it ("\\u00e9" leaves
+# plain hex digits). With escapes removed, the quotes of a valid JSON text alternate
+# open, close, so the text outside strings is every other piece between quotes.
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_OPENERS = frozenset(b"[{")
+# +1 for an opening bracket, -1 for a closing one (indexed by byte value).
+_STEP = [1 if b in b"[{" else -1 for b in range(256)]
 
 
 def _kind(mode: int) -> str:
@@ -107,14 +110,13 @@ def open_regular(path: Path, error: type[ModelLoadError] = ModelLoadError) -> Bi
 def json_depth_problem(data: bytes, limit: int = MAX_JSON_DEPTH) -> str | None:
     """Why the JSON text ``data`` is refused for its nesting (arrays and objects deeper
     than ``limit`` levels), or None; measured without recursion, strings skipped."""
-    depth = 0
-    for byte in _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS):
-        if byte in _OPENERS:
-            depth += 1
-            if depth > limit:
-                return f"its JSON nests arrays and objects deeper than {limit} levels"
-        else:
-            depth -= 1
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return None  # too few openers to nest that deep (most configs: no work at all)
+    unescaped = _ESCAPE.sub(b"", data) if b"\\" in data else data
+    outside_strings = b"".join(unescaped.split(b'"')[::2])
+    brackets = outside_strings.translate(None, _NOT_BRACKETS)
+    if max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > limit:
+        return f"its JSON nests arrays and objects deeper than {limit} levels"
     return None
 
 

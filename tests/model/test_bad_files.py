@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 import nbengine as nb
 from nbengine.model.errors import ModelLoadError
+from nbengine.model.files import json_depth_problem
 from nbengine.model.weights import read_safetensors_header
 
 ENGINE_KW: dict[str, Any] = {"num_kv_blocks": 16}
@@ -198,6 +199,32 @@ def test_json_nested_200k_deep_is_a_model_load_error_naming_the_file(
         nb.Engine(str(d), **ENGINE_KW)
     message = str(info.value)
     assert str(d / name) in message and "deeper than" in message, message
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+def test_json_depth_counts_only_brackets_outside_strings() -> None:
+    """A valid file is never refused for brackets, quotes or escapes inside its strings."""
+    samples: list[object] = [
+        {"a": '[[[[\\"[[[', "b": [[1]]},
+        ["\\", ["[[[["]],
+        ['\\\\"', [["{{"]]],
+        {'k"[': [[[{"x": "]]]]"}]]]},
+        [[1], [2], [3]],
+        "just [[[ a string",
+        {"template": "{% for m in messages %}{{ m['content'] }}{% endfor %}" * 50},
+    ]
+    for value in samples:
+        raw = json.dumps(value).encode()
+        for limit in range(6):
+            refused = json_depth_problem(raw, limit) is not None
+            assert refused == (_depth(value) > limit), (raw, limit)
 
 
 def _sharded(d: Path) -> Path:
