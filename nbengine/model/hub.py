@@ -93,7 +93,8 @@ def hub_settings() -> HubSettings:
     import): the cache is HF_HUB_CACHE, else the legacy HUGGINGFACE_HUB_CACHE, else
     ``$HF_HOME/hub``, with HF_HOME defaulting to ``$XDG_CACHE_HOME/huggingface``, else
     ``~/.cache/huggingface``; offline is HF_HUB_OFFLINE (else TRANSFORMERS_OFFLINE) being
-    1, ON, YES or TRUE; the endpoint is HF_ENDPOINT, else https://huggingface.co.
+    1, ON, YES or TRUE; the endpoint is HF_ENDPOINT, else https://huggingface.co. A
+    variable set to the empty string counts as unset.
     """
     cache = _env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE")
     if cache is None:
@@ -106,7 +107,7 @@ def hub_settings() -> HubSettings:
     return HubSettings(
         cache_dir=_expand(cache),
         endpoint=(_env("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/"),
-        offline=offline.strip().upper() in _TRUE,
+        offline=offline.upper() in _TRUE,
     )
 
 
