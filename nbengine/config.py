@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,10 @@ from nbengine.validation import is_int, is_number
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATION = ("int8", "int4", "int4-g32")  # ops/quant.py, docs/quantization.md
 _POLICIES = ("fcfs", "priority")
+MAX_KV_CACHE_GB = 10**9
+"""The largest ``kv_cache_memory_gb`` (an exabyte, far beyond any machine): a bound, since
+a finite value such as 1e300 would overflow the float the memory plan sizes the pool in
+(model/memory_plan.py)."""
 
 
 def resolve_device(device: object) -> str:
@@ -69,6 +74,10 @@ def _check_types(
         value = getattr(obj, name)
         if not is_number(value):
             raise TypeError(f"{name} must be a number, got {value!r}.")
+        # Before any range check: nan compares False with everything, and inf overflows
+        # the int() that sizes memory later. (An int is always finite.)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}.")
 
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -182,6 +191,11 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}.")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb > MAX_KV_CACHE_GB:
+            raise ValueError(
+                f"kv_cache_memory_gb must be at most {MAX_KV_CACHE_GB} (GB, an exabyte), "
+                f"got {self.kv_cache_memory_gb}."
+            )
 
 
 @dataclass(slots=True)

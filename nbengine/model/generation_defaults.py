@@ -9,11 +9,12 @@ with a warning: a model directory's quirk must not make every call fail.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from nbengine.model.errors import ModelLoadError
+from nbengine.model.files import is_regular_file, read_json
 from nbengine.sampling_params import SamplingParams
 
 __all__ = ["default_sampling_params"]
@@ -37,8 +38,10 @@ def default_sampling_params(model_dir: Path | None) -> SamplingParams:
         return SamplingParams()
     path = model_dir / "generation_config.json"
     try:
-        cfg: Any = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        # A FIFO would block a plain read forever; model/files.py refuses it.
+        cfg: Any = read_json(path) if is_regular_file(path) else None
+    except ModelLoadError as exc:
+        logger.warning("Ignoring %s: %s", path, exc)
         return SamplingParams()
     if not isinstance(cfg, dict):
         return SamplingParams()

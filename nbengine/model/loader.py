@@ -18,7 +18,6 @@ it, else float16 (as vLLM does).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -33,11 +32,12 @@ from torch import nn
 from nbengine.config import ModelConfig
 from nbengine.model.config_check import check_hf_config, check_inside
 from nbengine.model.errors import ModelLoadError
+from nbengine.model.files import is_regular_file, read_json
 from nbengine.model.gemma import GEMMA_ACTIVATIONS, GEMMA_ARCHITECTURES, GemmaArgs, GemmaForCausalLM
 from nbengine.model.gpt2 import GPT2Args, GPT2LMHeadModel
 from nbengine.model.llama import DecoderArgs, LlamaForCausalLM
 from nbengine.model.tokenizer import Tokenizer
-from nbengine.model.weights import WeightMap
+from nbengine.model.weights import WeightMap, read_safetensors_header
 from nbengine.model.windows import kv_window
 from nbengine.ops.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 
@@ -143,14 +143,12 @@ def resolve_dtype(
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
-    """Parse config.json, naming the file in any error."""
+    """Parse config.json, naming the file in any error (a FIFO or JSON nested beyond
+    bounds too: model/files.py)."""
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
+    if not is_regular_file(cfg_file):
         raise ModelLoadError(f"No config.json in model directory {str(path)!r}.")
-    try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"Cannot parse {cfg_file}: {exc}") from exc
+    cfg = read_json(cfg_file)
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{cfg_file} does not hold a JSON object.")
     return cfg
@@ -268,21 +266,20 @@ def _without_init(factory: Callable[[], _M]) -> _M:
 
 
 def _weight_files(path: Path) -> list[Path]:
+    """The weight files of ``path``; each is a regular file (or missing: refused here)."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"Cannot read the shard index {index}: {exc}") from exc
+    if is_regular_file(index):
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"The shard index {index} has no weight_map object.")
         files = sorted({check_inside(path, f, index) for f in weight_map.values()})
         for f in files:
-            if not f.is_file():
+            if not is_regular_file(f):
                 raise ModelLoadError(f"Weight shard {f.name} listed in {index.name} is missing.")
         return files
     single = path / "model.safetensors"
-    if single.is_file():
+    if is_regular_file(single):
         return [single]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -294,17 +291,22 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def load_weights(model: nn.Module, weight_map: WeightMap, path: Path, dtype: torch.dtype) -> None:
-    """Fill every parameter of ``model`` from the checkpoint, checking names and shapes."""
+    """Fill every parameter of ``model`` from the checkpoint, checking names and shapes.
+
+    Each file's header is checked whole (``read_safetensors_header``) before safetensors
+    opens it; a tensor torch cannot read is a ``ModelLoadError`` naming file and tensor.
+    """
     files = _weight_files(path)
     with ExitStack() as stack:
-        where: dict[str, Any] = {}
+        where: dict[str, tuple[Any, Path]] = {}
         for f in files:
+            read_safetensors_header(f)
             try:
                 handle = stack.enter_context(safe_open(str(f), framework="pt"))
             except Exception as exc:  # safetensors raises its own error types
                 raise ModelLoadError(f"Cannot open weight file {f}: {exc}") from exc
             for name in handle.keys():
-                where[name] = handle
+                where[name] = (handle, f)
         params = dict(model.named_parameters())
         for ours, sources in weight_map.items():
             param = params[ours]
@@ -316,17 +318,29 @@ def load_weights(model: nn.Module, weight_map: WeightMap, path: Path, dtype: tor
                     raise ModelLoadError(
                         f"Tensor {src.name!r} is missing from the weights in {str(path)!r}."
                     )
-                t = where[name].get_tensor(name)
-                if src.transpose:
-                    t = t.t()
+                handle, file = where[name]
+                try:
+                    t = handle.get_tensor(name)
+                except Exception as exc:  # e.g. a safetensors dtype torch has no type for
+                    raise ModelLoadError(
+                        f"Cannot read tensor {src.name!r} from weight file {file}: {exc}"
+                    ) from exc
                 want = (src.rows, *param.shape[1:])
+                if src.transpose and t.dim() == 2:
+                    t = t.t()
                 if tuple(t.shape) != want:
                     raise ModelLoadError(
                         f"Tensor {src.name!r} has shape {tuple(t.shape)}, expected {want} "
                         f"from config.json in {str(path)!r}."
                     )
-                with torch.no_grad():
-                    param.data[src.offset : src.offset + src.rows].copy_(t)
+                try:
+                    with torch.no_grad():
+                        param.data[src.offset : src.offset + src.rows].copy_(t)
+                except (RuntimeError, TypeError) as exc:  # a dtype torch cannot convert
+                    raise ModelLoadError(
+                        f"Cannot read tensor {src.name!r} ({t.dtype}) from weight file "
+                        f"{file}: {exc}"
+                    ) from exc
         missing = set(params) - set(weight_map)
         assert not missing, f"parameters without a source: {sorted(missing)}"
 

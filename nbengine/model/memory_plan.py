@@ -32,10 +32,8 @@ repr (docs/models.md, "Memory").
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nbengine.model.errors import ModelLoadError
+from nbengine.model.weights import read_safetensors_header
 from nbengine.ops.linear import onednn_twin_supported
 
 if TYPE_CHECKING:
@@ -65,7 +64,6 @@ _HEADROOM = 0.10
 # The oneDNN twin of the linear weights (ops/linear.py) is kept only while it takes at
 # most this share of the free memory: it buys speed, never the ability to load a model.
 _TWIN_SHARE = 0.25
-_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 
 
 class InsufficientMemoryError(ModelLoadError):
@@ -129,27 +127,9 @@ def _safetensors_numels(files: list[Path]) -> dict[str, int]:
 
 
 def _safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, from the files' JSON headers (no tensor is read)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        try:
-            size = f.stat().st_size
-            with f.open("rb") as fh:
-                (length,) = struct.unpack("<Q", fh.read(8))
-                # A garbage file would announce any length: check it before reading.
-                if length > min(size - 8, _MAX_HEADER_BYTES):
-                    raise ValueError(f"header length {length} in a file of {size} bytes")
-                header = json.loads(fh.read(length))
-            if not isinstance(header, dict):
-                raise ValueError("the header is not a JSON object")
-        except (OSError, ValueError, struct.error) as exc:
-            raise ModelLoadError(
-                f"Cannot open weight file {f}: invalid safetensors header ({exc})."
-            ) from exc
-        for name, info in header.items():
-            if name != "__metadata__" and isinstance(info, dict):
-                shapes[name] = tuple(int(d) for d in info.get("shape", ()))
-    return shapes
+    """Tensor name -> shape, from the files' checked headers (model/weights.py; no tensor
+    is read)."""
+    return {name: entry.shape for f in files for name, entry in read_safetensors_header(f).items()}
 
 
 _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "wpe.weight")

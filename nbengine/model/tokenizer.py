@@ -7,7 +7,6 @@ all eos ids found is ``eos_token_ids`` (as vLLM does with generation_config's li
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import tokenizers
 
 from nbengine.model.errors import ModelLoadError
+from nbengine.model.files import is_regular_file, read_json
 from nbengine.validation import is_int
 
 logger = logging.getLogger(__name__)
@@ -26,13 +26,11 @@ class TokenizerLoadError(ModelLoadError):
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    """The JSON object in ``path`` ({} if it is missing or not an object); a FIFO or JSON
+    nested beyond bounds is a TokenizerLoadError naming it (model/files.py)."""
+    if not is_regular_file(path, TokenizerLoadError):
         return {}
-    try:
-        with path.open(encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TokenizerLoadError(f"Cannot parse {path}: {exc}") from exc
+    data = read_json(path, error=TokenizerLoadError)
     return data if isinstance(data, dict) else {}
 
 
@@ -79,7 +77,7 @@ class Tokenizer:
         config.json)."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
+        if not is_regular_file(tok_file, TokenizerLoadError):
             raise TokenizerLoadError(
                 f"No tokenizer.json in {path}: nbengine needs a Hugging Face fast-tokenizer "
                 "file (tokenizer.json) next to config.json."

@@ -43,11 +43,12 @@ def greedy(model, **kw):
 """
 
 
-def _run(code: str, env: dict[str, str]) -> tuple[dict[str, object], str]:
+def _run(code: str, env: dict[str, str], first: str = "") -> tuple[dict[str, object], str]:
+    """Run ``first``, then the prelude, then ``code`` in a fresh Python with ``env``."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     base.update(env)
     proc = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
+        [sys.executable, "-c", textwrap.dedent(first) + _PRELUDE + textwrap.dedent(code)],
         env=base,
         capture_output=True,
         text=True,
@@ -282,3 +283,161 @@ def test_snapshot_links_into_blobs_are_inside_but_links_elsewhere_are_not(
     (snap / "model-00001-of-00002.safetensors").symlink_to(outside)
     with pytest.raises(ModelLoadError, match="leads outside the model directory"):
         _weight_files(snap)
+
+
+# A notebook imports transformers (so huggingface_hub, which reads its HF_* variables into
+# module constants then) before a cell sets HF_HUB_CACHE or HF_HUB_OFFLINE.
+_IMPORT_HUB_FIRST = """
+import os
+import huggingface_hub
+import transformers
+"""
+
+
+@pytest.mark.slow  # fresh Python processes
+def test_hub_settings_set_after_huggingface_hub_was_imported_offline(
+    tiny: Path, tmp_path: Path
+) -> None:
+    snap = make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny)
+    home = tmp_path / "home"
+    snap_home = make_hub_cache(home / "hub", "tiny-org/tiny-llama", tiny)
+    # At import: an empty cache and an endpoint that logs every request it gets.
+    with serve_hub() as server:
+        host, port = server.server_address[:2]
+        result, _ = _run(
+            f"""
+            os.environ["HF_HUB_CACHE"] = {str(tmp_path / "hub")!r}
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            out = {{
+                "path": outcome(lambda: resolve_model_dir("tiny-org/tiny-llama")),
+                "hub_ids": greedy("tiny-org/tiny-llama"),
+                "dir_ids": greedy({str(tiny)!r}),
+                "missing": outcome(lambda: nb.Engine("tiny-org/not-cached")),
+            }}
+            # HF_HOME=<home>: the cache <home>/hub, once HF_HUB_CACHE is unset.
+            del os.environ["HF_HUB_CACHE"]
+            os.environ["HF_HOME"] = {str(home)!r}
+            out["home"] = outcome(lambda: resolve_model_dir("tiny-org/tiny-llama"))
+            out["home_missing"] = outcome(lambda: resolve_model_dir("tiny-org/not-cached"))
+            print(json.dumps(out))
+        """,
+            {
+                "HF_HOME": str(tmp_path / "import-home"),
+                "HF_ENDPOINT": f"http://{host}:{port}",
+            },
+            first=_IMPORT_HUB_FIRST,
+        )
+        log = list(server.log)
+    assert result["path"] == {"ok": str(snap)}
+    assert result["hub_ids"] == result["dir_ids"] and len(result["hub_ids"]) == 8
+    assert result["home"] == {"ok": str(snap_home)}
+    for key, cache in (("missing", tmp_path / "hub"), ("home_missing", home / "hub")):
+        err = result[key]
+        assert err["error"] == "ModelLoadError", err
+        assert f"is not in the Hub cache ({cache})" in err["message"]
+        assert "HF_HUB_OFFLINE=1" in err["message"]
+    assert log == []  # offline: the Hub was never contacted
+
+
+@pytest.mark.slow  # fresh Python processes
+def test_hf_endpoint_set_after_huggingface_hub_was_imported(tiny: Path, tmp_path: Path) -> None:
+    repo = repo_from_dir("tiny-org/tiny-llama", tiny)
+    cache = tmp_path / "cache"
+    with serve_hub(repo) as server:
+        host, port = server.server_address[:2]
+        result, _ = _run(
+            f"""
+            os.environ["HF_ENDPOINT"] = "http://{host}:{port}"
+            os.environ["HF_HUB_CACHE"] = {str(cache)!r}
+            out = {{"path": outcome(lambda: resolve_model_dir("tiny-org/tiny-llama"))}}
+            os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+            out["unreachable"] = outcome(lambda: nb.Engine("tiny-org/other"))
+            print(json.dumps(out))
+        """,
+            {
+                # At import: an endpoint that refuses connections and another cache.
+                "HF_ENDPOINT": "http://127.0.0.1:9",
+                "HF_HUB_CACHE": str(tmp_path / "import-cache"),
+                "HF_HUB_ETAG_TIMEOUT": "2",
+                "HF_HUB_DOWNLOAD_TIMEOUT": "2",
+            },
+            first=_IMPORT_HUB_FIRST,
+        )
+        log = list(server.log)
+    snap = Path(result["path"]["ok"])
+    assert snap == cache / "models--tiny-org--tiny-llama" / "snapshots" / repo.commit
+    assert (snap / "model.safetensors").is_file()
+    assert any("/resolve/" in path for _, path in log)
+    err = result["unreachable"]
+    assert err["error"] == "ModelLoadError", err
+    assert "Cannot reach the Hugging Face Hub (http://127.0.0.1:9)" in err["message"]
+    assert f"not in the Hub cache ({cache})" in err["message"]
+
+
+@pytest.mark.slow  # fresh Python processes
+def test_hf_hub_offline_unset_after_import_says_huggingface_hub_stays_offline(
+    tmp_path: Path,
+) -> None:
+    result, _ = _run(
+        """
+        del os.environ["HF_HUB_OFFLINE"]
+        print(json.dumps({"e": outcome(lambda: resolve_model_dir("tiny-org/tiny"))}))
+    """,
+        {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "c")},
+        first=_IMPORT_HUB_FIRST,
+    )
+    err = result["e"]
+    assert err["error"] == "ModelLoadError", err
+    assert "huggingface_hub was imported while HF_HUB_OFFLINE was set" in err["message"]
+    assert str(tmp_path / "c") in err["message"]
+
+
+_PRECEDENCE_CASES: list[dict[str, str]] = [
+    {},
+    {"HF_HOME": "/h"},
+    {"XDG_CACHE_HOME": "/xdg"},
+    {"XDG_CACHE_HOME": "/xdg", "HF_HOME": "~/h"},
+    {"HF_HOME": "/h", "HUGGINGFACE_HUB_CACHE": "/legacy"},
+    {"HF_HOME": "/h", "HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HUB_CACHE": "/c"},
+    {"HF_HUB_CACHE": "$NBE_ROOT/c", "NBE_ROOT": "/r"},
+    {"HF_HUB_OFFLINE": "yes"},
+    {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"},
+    {"TRANSFORMERS_OFFLINE": "On"},
+    {"HF_HUB_OFFLINE": "2"},
+    {"HF_ENDPOINT": "http://mirror.example:8080/"},
+]
+
+
+@pytest.mark.slow  # fresh Python processes
+def test_hub_settings_follow_huggingface_hubs_own_precedence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What hub_settings reads from an environment is what huggingface_hub itself makes
+    of that environment when it is imported with it."""
+    from nbengine.model.hub import hub_settings
+
+    probe = (
+        "import json; from huggingface_hub import constants as c; "
+        "print(json.dumps([c.HF_HUB_CACHE, c.ENDPOINT, c.HF_HUB_OFFLINE]))"
+    )
+    for case in _PRECEDENCE_CASES:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "XDG_"))
+        }
+        env.update(case)  # HOME as here: "~" means the same in both
+        proc = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        cache, endpoint, offline = json.loads(proc.stdout)
+        with monkeypatch.context() as m:
+            for key in set(os.environ) - set(env):
+                m.delenv(key)
+            for key, value in case.items():
+                m.setenv(key, value)
+            ours = hub_settings()
+        assert (str(ours.cache_dir), ours.endpoint, ours.offline) == (cache, endpoint, offline), (
+            case
+        )

@@ -116,8 +116,9 @@ def test_a_context_too_long_for_free_memory_fails_with_numbers(tmp_path: Path) -
 
 def test_weights_too_big_fail_before_they_are_read(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / "huge", "llama", **TINY_LLAMA)
-    # A header that declares a 1 TiB embedding and no data behind it: reading it would
-    # fail, so the error below proves nothing was read.
+    # A header that declares a 1 TiB embedding, in a sparse file of that size (no disk is
+    # used): reading it would take 1 TiB of memory, so the error below proves nothing was
+    # read. (The header is checked against the file's size: model/weights.py.)
     header = {
         "model.embed_tokens.weight": {
             "dtype": "F32",
@@ -126,7 +127,9 @@ def test_weights_too_big_fail_before_they_are_read(tmp_path: Path) -> None:
         }
     }
     raw = json.dumps(header).encode()
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + (1 << 40))
     with pytest.raises(InsufficientMemoryError, match=r"weights 1\.0 TiB \(float32\)") as info:
         nb.Engine(str(path), **KW)
     assert 'dtype="bfloat16"' in str(info.value)

@@ -367,6 +367,11 @@ BAD_ENGINE_KW: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"seed": "x"}, TypeError, "seed must be an int"),
     ({"stream_interval": 0}, ValueError, "stream_interval must be at least 1"),
     ({"kv_cache_memory_gb": 0}, ValueError, "kv_cache_memory_gb must be positive"),
+    ({"kv_cache_memory_gb": float("nan")}, ValueError, "kv_cache_memory_gb must be finite"),
+    ({"kv_cache_memory_gb": float("inf")}, ValueError, "kv_cache_memory_gb must be finite"),
+    ({"kv_cache_memory_gb": 1e300}, ValueError, "kv_cache_memory_gb must be at most"),
+    ({"kv_cache_memory_gb": 10**400}, ValueError, "kv_cache_memory_gb must be at most"),
+    ({"gpu_memory_utilization": float("nan")}, ValueError, "gpu_memory_utilization must be"),
     ({"enable_prefix_caching": "no"}, TypeError, "enable_prefix_caching must be True or False"),
     ({"enable_chunked_prefill": 1}, TypeError, "enable_chunked_prefill must be True or False"),
 ]
