@@ -350,11 +350,12 @@ class Scheduler:
                 if sampled is None:
                     raise RuntimeError(f"model runner returned no token for request {rid!r}")
                 request.append_output_token(sampled.token_id)
-                if request.grammar is not None and not request.grammar.accept(sampled.token_id):
-                    # Only a logits processor that unmasks tokens can get here.
-                    request.error = (
-                        f"structured outputs: the grammar rejected token {sampled.token_id}"
-                    )
+                if request.grammar is not None:
+                    # The grammar engine failed (a step over its limits), or a logits
+                    # processor unmasked a token the grammar rejects: the request fails.
+                    failure = request.grammar.consume(sampled.token_id)
+                    if failure is not None:
+                        request.error = f"structured outputs: {failure}"
                 out.new_token_ids.append(sampled.token_id)
                 if sampled.logprobs is not None:
                     out.new_logprobs = [sampled.logprobs]

@@ -50,7 +50,7 @@ def test_200_seeded_samples_validate_against_the_schema(engine: nb.Engine) -> No
         jsonschema.validate(json.loads(c.text), SCHEMA)
 
 
-def test_default_json_whitespace_is_flexible_and_still_parses(engine: nb.Engine) -> None:
+def test_free_whitespace_opt_in_still_parses(engine: nb.Engine) -> None:
     schema = {
         "type": "object",
         "properties": {"x": {"type": "integer"}},
@@ -64,7 +64,9 @@ def test_default_json_whitespace_is_flexible_and_still_parses(engine: nb.Engine)
             SamplingParams(
                 seed=s,
                 max_tokens=400,
-                structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
+                structured_outputs=StructuredOutputsParams(
+                    json=json.dumps(schema), any_whitespace=True
+                ),
             )
             for s in range(10)
         ],
@@ -234,11 +236,39 @@ def test_bad_schemas_and_regexes_fail_at_generate(
         (dict(grammar=5), TypeError, "grammar"),
         (dict(json_object="yes"), TypeError, "json_object"),
         (dict(json_object=True, disable_any_whitespace=1), TypeError, "disable_any_whitespace"),
+        (dict(json_object=True, any_whitespace=1), TypeError, "any_whitespace"),
+        (
+            dict(json_object=True, any_whitespace=True, disable_any_whitespace=True),
+            ValueError,
+            "not both",
+        ),
     ],
 )
 def test_params_are_validated_at_construction(kwargs: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         StructuredOutputsParams(**kwargs)
+
+
+def _accepts(engine: nb.Engine, spec: StructuredOutputsParams, text: str) -> bool:
+    m = engine._inputs.grammars.matcher(spec)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    return all(m.consume(t) is None for t in ids)
+
+
+def test_json_whitespace_options(engine: nb.Engine) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spaced, pretty, blank = '{"a": 1}', '{\n  "a": 1\n}', '{\n\n  "a":   1}'
+    default = StructuredOutputsParams(json=schema)
+    assert _accepts(engine, default, spaced) and _accepts(engine, default, pretty)
+    assert not _accepts(engine, default, blank)  # bounded: no blank runs
+    free = StructuredOutputsParams(json=schema, any_whitespace=True)
+    assert _accepts(engine, free, blank)
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert _accepts(engine, compact, '{"a":1}') and not _accepts(engine, compact, spaced)
+    # The schema's own llguidance settings win.
+    own = StructuredOutputsParams(json={**schema, "x-guidance": {"whitespace_flexible": True}})
+    assert _accepts(engine, own, blank)
+    assert not _accepts(engine, StructuredOutputsParams(json_object=True), blank)
 
 
 def test_sampling_params_field_checks() -> None:
