@@ -31,7 +31,8 @@ from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
 from nbengine.model.windows import layer_types, layer_windows
 from nbengine.ops.activation import gelu_tanh_and_mul
-from nbengine.ops.attention import AttentionMetadata, paged_attention
+from nbengine.ops.attention import AttentionMetadata
+from nbengine.ops.attention_kernels import paged_attention
 from nbengine.ops.linear import NativeLinear
 from nbengine.ops.quant import QuantLinear
 from nbengine.ops.rotary import RotaryEmbedding, with_original_length

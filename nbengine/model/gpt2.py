@@ -16,7 +16,8 @@ from torch import nn
 
 from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
-from nbengine.ops.attention import AttentionMetadata, paged_attention
+from nbengine.ops.attention import AttentionMetadata
+from nbengine.ops.attention_kernels import paged_attention
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

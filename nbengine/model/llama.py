@@ -30,7 +30,8 @@ from nbengine.model.weights import WeightMap
 from nbengine.model.weights import WeightSource as W
 from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.ops.activation import silu_and_mul
-from nbengine.ops.attention import AttentionMetadata, paged_attention, rope_paged_attention
+from nbengine.ops.attention import AttentionMetadata
+from nbengine.ops.attention_kernels import paged_attention, rope_paged_attention
 from nbengine.ops.linear import NativeLinear, PackedLinear
 from nbengine.ops.quant import QuantLinear
 from nbengine.ops.rms_norm import RMSNorm
