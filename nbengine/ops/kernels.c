@@ -1,6 +1,7 @@
 /*
  * nbengine's native CPU kernels (x86-64 with AVX-512 BF16), called from Python through
- * ctypes by nbengine/ops/native.py, which compiles this file on first use.
+ * ctypes by nbengine/ops/native.py; nbengine/ops/native_build.py compiles this file on
+ * first use.
  *
  * Conventions: every tensor is contiguous and row-major; bf16 values are passed as
  * uint16_t; arithmetic is float32 and results are rounded to bf16 to nearest-even, as

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbengine.ops import native
+from nbengine.ops import native, native_build
 from nbengine.ops.arena import WeightArena
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def onednn_twin_supported(dtype: torch.dtype) -> bool:
         linear_mode() == "auto"
         and packed_linear_supported(dtype)
         and native.kernels() is not None
-        and native.has_amx()
+        and native_build.has_amx()
     )
 
 
