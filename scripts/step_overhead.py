@@ -39,7 +39,7 @@ from nbengine.bench.workloads import bench_model_dir, make_workloads
 from nbengine.core import engine_core
 from nbengine.frontend import registry
 from nbengine.model import decode_plan, runner
-from nbengine.ops import attention, native
+from nbengine.ops import attention_kernels, native
 
 _state = threading.local()
 _totals: dict[str, float] = defaultdict(float)
@@ -80,8 +80,8 @@ def _instrument() -> None:
     mkldnn = torch.ops.mkldnn
     linear = mkldnn._linear_pointwise
     mkldnn._linear_pointwise = _timed("compute", linear)  # type: ignore[attr-defined]
-    attention.F.scaled_dot_product_attention = _timed(  # type: ignore[assignment]
-        "compute", attention.F.scaled_dot_product_attention
+    attention_kernels.F.scaled_dot_product_attention = _timed(  # type: ignore[assignment]
+        "compute", attention_kernels.F.scaled_dot_product_attention
     )
     torch.nn.functional.embedding = _timed("compute", torch.nn.functional.embedding)  # type: ignore[assignment]
     torch.nn.functional.linear = _timed("compute", torch.nn.functional.linear)  # type: ignore[assignment]

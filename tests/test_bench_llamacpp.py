@@ -21,11 +21,8 @@ pytest.importorskip(
     "'.[bench]'), not a required test",
 )
 
-from nbengine.bench.llamacpp import (  # after the skip: it needs llama_cpp
-    CHECK_TOKENS,
-    LlamaCppDriver,
-    gguf_type,
-)
+from nbengine.bench.gguf import gguf_type  # after the skip, as the driver it serves
+from nbengine.bench.llamacpp import CHECK_TOKENS, LlamaCppDriver  # it needs llama_cpp
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -234,7 +234,7 @@ def test_help_lists_each_command_once() -> None:
 
 
 def _track(text: str) -> object:
-    from nbengine.cli import _Track
+    from nbengine.demo import _Track
 
     return _Track("lists", "A list is", 0.0, status="RUNNING", text=text, num_tokens=40)
 
@@ -244,7 +244,7 @@ LONG_TEXT = " " + " ".join(f"word{i:02d}x" for i in range(60)) + "\n"
 
 
 def test_demo_status_lines_cut_at_word_boundaries() -> None:
-    from nbengine.cli import _status_lines
+    from nbengine.demo import _status_lines
 
     words = LONG_TEXT.split()
     for width in (60, 73, 100):
@@ -256,7 +256,7 @@ def test_demo_status_lines_cut_at_word_boundaries() -> None:
 
 
 def test_demo_summary_cuts_at_word_boundaries() -> None:
-    from nbengine.cli import _summary_line
+    from nbengine.demo import _summary_line
 
     words = ("A list is" + LONG_TEXT).split()
     line = _summary_line(_track(LONG_TEXT))  # type: ignore[arg-type]

@@ -64,7 +64,7 @@ def test_wheel_installs_the_kernel_and_the_default_model(tmp_path: Path) -> None
         "import json, nbengine\n"
         "from nbengine.kernelspec import install_kernel\n"
         "from nbengine.model.loader import DEFAULT_MODEL_DIR\n"
-        "from nbengine.ops.native import SOURCE\n"
+        "from nbengine.ops.native_build import SOURCE\n"
         f"path = install_kernel(prefix={str(prefix)!r})\n"
         "print(json.dumps({'package': nbengine.__file__, 'kernel': path,"
         " 'model': (DEFAULT_MODEL_DIR / 'model.safetensors').is_file(),"

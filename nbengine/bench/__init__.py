@@ -7,8 +7,8 @@ The package, one concept per module (docs/benchmarks.md describes the method):
   workloads W1, W2, W3;
 - ``engines``: the engines under test (nbengine, transformers static ``generate``,
   transformers continuous batching, CTranslate2), one driver each;
-- ``llamacpp``: the llama.cpp peer (GGUF conversion, the check against transformers, the
-  batched driver);
+- ``gguf``: the llama.cpp peer's weights (GGUF conversion, cached);
+- ``llamacpp``: the llama.cpp peer (the check against transformers, the batched driver);
 - ``machine``: what the machine can do (bandwidth, matmul FLOP/s) and a workload's bound;
 - ``runner``: ``run_bench``, which runs them all and assembles the report;
 - ``report``: per-run figures, medians, targets, ``format_report``;
@@ -16,6 +16,7 @@ The package, one concept per module (docs/benchmarks.md describes the method):
 - ``peers``: ``run_peers``, the peers at several precisions in one call, shown as that
   chart in a notebook;
 - ``scale_out``: the Ray data-parallel measurements behind docs/scale-out.md.
+- ``cli``: the ``nbengine bench`` command's options and run.
 
 ``run_bench(BenchConfig(...))`` (or ``run_bench(model_dir=..., scale=0.1)``) returns one
 JSON-able dict; ``format_report()`` renders it as a table.

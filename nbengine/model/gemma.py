@@ -16,7 +16,8 @@ Differences from the Llama family (model/llama.py), as transformers computes the
   use their own RoPE base (``rope_local_base_freq``, or ``rope_parameters`` per layer type
   in newer configs) without the global layers' scaling.
 
-q/k/v and gate/up are fused into one projection each while loading, as for Llama.
+q/k/v and gate/up are fused into one projection each while loading, as for Llama (the
+packed modules of its ``CheckpointLayout``, model/weight_map.py).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbengine.model.weights import WeightMap
-from nbengine.model.weights import WeightSource as W
+from nbengine.model.weight_map import CheckpointLayout, CheckpointModule
 from nbengine.model.windows import layer_types, layer_windows
 from nbengine.ops.activation import gelu_tanh_and_mul
-from nbengine.ops.attention import AttentionMetadata, paged_attention
+from nbengine.ops.attention import AttentionMetadata
+from nbengine.ops.attention_kernels import paged_attention
 from nbengine.ops.linear import NativeLinear
 from nbengine.ops.quant import QuantLinear
 from nbengine.ops.rotary import RotaryEmbedding, with_original_length
@@ -213,12 +214,20 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(CheckpointModule):
     """Gemma 2 / Gemma 3 text decoder over a paged KV cache."""
 
     def __init__(self, a: GemmaArgs) -> None:
         super().__init__()
         self.args = a
+        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        self.checkpoint_layout = CheckpointLayout(
+            packed={
+                "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+                "gate_up_proj": (("gate_proj", inter), ("up_proj", inter)),
+            },
+            tied=("lm_head", "embed_tokens") if a.tie_word_embeddings else None,
+        )
         self.num_layers = a.num_layers
         self.num_kv_heads = a.num_kv_heads
         self.head_dim = a.head_dim
@@ -246,11 +255,6 @@ class GemmaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with lm_head when the config ties them."""
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -277,42 +281,3 @@ class GemmaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def hf_weight_map(self) -> WeightMap:
-        """Our parameter name -> the HF tensors (and row ranges) that make it up."""
-        a = self.args
-        h = a.hidden_size
-        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        m: WeightMap = {
-            "embed_tokens.weight": [W("model.embed_tokens.weight", 0, a.vocab_size)],
-            "norm.weight": [W("model.norm.weight", 0, h)],
-        }
-        if not a.tie_word_embeddings:
-            m["lm_head.weight"] = [W("lm_head.weight", 0, a.vocab_size)]
-        for i in range(a.num_layers):
-            hp, ours = f"model.layers.{i}.", f"layers.{i}."
-            for nm in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "post_feedforward_layernorm",
-            ):
-                m[ours + nm + ".weight"] = [W(hp + nm + ".weight", 0, h)]
-            for s in ["weight"] + (["bias"] if a.attention_bias else []):
-                m[ours + f"self_attn.qkv_proj.{s}"] = [
-                    W(hp + f"self_attn.q_proj.{s}", 0, q),
-                    W(hp + f"self_attn.k_proj.{s}", q, kv),
-                    W(hp + f"self_attn.v_proj.{s}", q + kv, kv),
-                ]
-                m[ours + f"self_attn.o_proj.{s}"] = [W(hp + f"self_attn.o_proj.{s}", 0, h)]
-            if a.qk_norm:
-                for nm in ("q_norm", "k_norm"):
-                    m[ours + f"self_attn.{nm}.weight"] = [
-                        W(hp + f"self_attn.{nm}.weight", 0, a.head_dim)
-                    ]
-            m[ours + "mlp.gate_up_proj.weight"] = [
-                W(hp + "mlp.gate_proj.weight", 0, inter),
-                W(hp + "mlp.up_proj.weight", inter, inter),
-            ]
-            m[ours + "mlp.down_proj.weight"] = [W(hp + "mlp.down_proj.weight", 0, h)]
-        return m

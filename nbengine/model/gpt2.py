@@ -1,7 +1,8 @@
 """GPT2LMHeadModel: learned positions, pre-LayerNorm blocks, gelu_new MLP, tied lm_head.
 
 Checkpoint Conv1D weights are stored ``[in, out]``; the loader transposes them into
-ordinary ``nn.Linear`` layers. Attention runs on the same paged KV cache as the
+ordinary ``nn.Linear`` layers (the ``transposed`` modules of the model's
+``CheckpointLayout``, model/weight_map.py). Attention runs on the same paged KV cache as the
 Llama family (one KV head per query head).
 """
 
@@ -14,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbengine.model.weights import WeightMap
-from nbengine.model.weights import WeightSource as W
-from nbengine.ops.attention import AttentionMetadata, paged_attention
+from nbengine.model.weight_map import CheckpointLayout, CheckpointModule
+from nbengine.ops.attention import AttentionMetadata
+from nbengine.ops.attention_kernels import paged_attention
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -86,12 +87,27 @@ class GPT2Block(nn.Module):
         return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
 
 
-class GPT2LMHeadModel(nn.Module):
+# Our projections -> GPT-2's modules, all Conv1D: their weights are stored [in, out].
+_GPT2_NAMES = {
+    "c_attn": "attn.c_attn",
+    "attn_proj": "attn.c_proj",
+    "c_fc": "mlp.c_fc",
+    "mlp_proj": "mlp.c_proj",
+}
+
+
+class GPT2LMHeadModel(CheckpointModule):
     """GPT-2 over a paged KV cache."""
 
     def __init__(self, a: GPT2Args) -> None:
         super().__init__()
         self.args = a
+        self.checkpoint_layout = CheckpointLayout(
+            prefix="transformer.",
+            renamed=_GPT2_NAMES,
+            transposed=frozenset(_GPT2_NAMES),
+            tied=("lm_head", "wte") if a.tie_word_embeddings else None,
+        )
         self.num_layers = a.num_layers
         self.num_kv_heads = a.num_heads
         self.head_dim = a.hidden_size // a.num_heads
@@ -101,11 +117,6 @@ class GPT2LMHeadModel(nn.Module):
         self.ln_f = nn.LayerNorm(a.hidden_size, eps=a.eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with lm_head when the config ties them."""
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
 
     def forward(
         self,
@@ -123,31 +134,3 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32."""
         return self.lm_head(hidden).float()
-
-    def hf_weight_map(self) -> WeightMap:
-        """Our parameter name -> the HF tensors that make it up (Conv1D ones transposed)."""
-        a = self.args
-        h, inner = a.hidden_size, a.inner_size
-        t = "transformer."
-        m: WeightMap = {
-            "wte.weight": [W(t + "wte.weight", 0, a.vocab_size)],
-            "wpe.weight": [W(t + "wpe.weight", 0, a.max_positions)],
-            "ln_f.weight": [W(t + "ln_f.weight", 0, h)],
-            "ln_f.bias": [W(t + "ln_f.bias", 0, h)],
-        }
-        if not a.tie_word_embeddings:
-            m["lm_head.weight"] = [W("lm_head.weight", 0, a.vocab_size)]
-        for i in range(a.num_layers):
-            hp, ours = f"{t}h.{i}.", f"h.{i}."
-            for ln in ("ln_1", "ln_2"):
-                m[ours + ln + ".weight"] = [W(hp + ln + ".weight", 0, h)]
-                m[ours + ln + ".bias"] = [W(hp + ln + ".bias", 0, h)]
-            for mine, theirs, rows in (
-                ("c_attn", "attn.c_attn", 3 * h),
-                ("attn_proj", "attn.c_proj", h),
-                ("c_fc", "mlp.c_fc", inner),
-                ("mlp_proj", "mlp.c_proj", h),
-            ):
-                m[ours + mine + ".weight"] = [W(hp + theirs + ".weight", 0, rows, True)]
-                m[ours + mine + ".bias"] = [W(hp + theirs + ".bias", 0, rows)]
-        return m

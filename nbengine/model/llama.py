@@ -13,8 +13,9 @@ model/windows.py) and SmolLM3 skips RoPE in some layers (``no_rope_layers``).
 - OLMo 2 normalises q and k over the whole projection (all heads at once) and puts its
   norms after attention and the MLP (``x = x + norm(attn(x))``), none before.
 
-For speed, q/k/v are held as one fused ``qkv_proj`` and gate/up as one ``gate_up_proj``
-(the loader concatenates the checkpoint's separate tensors).
+For speed, q/k/v are held as one fused ``qkv_proj`` and gate/up as one ``gate_up_proj``;
+``decoder_layout`` declares how the checkpoint's separate tensors stack into them
+(model/weight_map.py).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import torch
 from torch import nn
 
 from nbengine.model.decode_plan import DecodePlan, build_decode_plan, cache_key
-from nbengine.model.weights import WeightMap
-from nbengine.model.weights import WeightSource as W
+from nbengine.model.weight_map import CheckpointLayout, CheckpointModule
 from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.ops.activation import silu_and_mul
-from nbengine.ops.attention import AttentionMetadata, paged_attention, rope_paged_attention
+from nbengine.ops.attention import AttentionMetadata
+from nbengine.ops.attention_kernels import paged_attention, rope_paged_attention
 from nbengine.ops.linear import NativeLinear, PackedLinear
 from nbengine.ops.quant import QuantLinear
 from nbengine.ops.rms_norm import RMSNorm
@@ -275,12 +276,13 @@ class PostNormDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp.forward(x)), x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CheckpointModule):
     """The Llama-family decoder (see the module docstring) over a paged KV cache."""
 
     def __init__(self, a: DecoderArgs) -> None:
         super().__init__()
         self.args = a
+        self.checkpoint_layout = decoder_layout(a)
         self.num_layers = a.num_layers
         self.num_kv_heads = a.num_kv_heads
         self.head_dim = a.head_dim
@@ -310,11 +312,6 @@ class LlamaForCausalLM(nn.Module):
         # module path, whose products of that many rows run on the twins; None: no limit.
         self.decode_plan_max_rows: int | None = None
         self._plan: DecodePlan | None = None
-
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with lm_head when the config ties them."""
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
@@ -400,61 +397,19 @@ class LlamaForCausalLM(nn.Module):
             return head(hidden, out_dtype=torch.float32)
         return head(hidden).float()
 
-    def hf_weight_map(self) -> WeightMap:
-        """Our parameter name -> the HF tensors (and row ranges) that make it up."""
-        a = self.args
-        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        m: WeightMap = {
-            "embed_tokens.weight": [W("model.embed_tokens.weight", 0, a.vocab_size)],
-            "norm.weight": [W("model.norm.weight", 0, a.hidden_size)],
+
+def decoder_layout(a: DecoderArgs) -> CheckpointLayout:
+    """Where a Llama-family checkpoint keeps each parameter: q/k/v and gate/up packed into
+    our fused projections, unless the checkpoint stores them fused (Phi-3)."""
+    q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+    packed = (
+        {}
+        if a.fused_checkpoint
+        else {
+            "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+            "gate_up_proj": (("gate_proj", inter), ("up_proj", inter)),
         }
-        if not a.tie_word_embeddings:
-            m["lm_head.weight"] = [W("lm_head.weight", 0, a.vocab_size)]
-        for i in range(a.num_layers):
-            hp, ours = f"model.layers.{i}.", f"layers.{i}."
-            norms = (
-                ["post_attention_layernorm", "post_feedforward_layernorm"]
-                if a.post_norm
-                else ["input_layernorm", "post_attention_layernorm"]
-            )
-            for nm in norms:
-                m[ours + nm + ".weight"] = [W(hp + nm + ".weight", 0, a.hidden_size)]
-            suffixes = ["weight"] + (["bias"] if a.qkv_bias else [])
-            for s in suffixes:
-                m[ours + f"self_attn.qkv_proj.{s}"] = (
-                    [W(hp + f"self_attn.qkv_proj.{s}", 0, q + 2 * kv)]
-                    if a.fused_checkpoint
-                    else [
-                        W(hp + f"self_attn.q_proj.{s}", 0, q),
-                        W(hp + f"self_attn.k_proj.{s}", q, kv),
-                        W(hp + f"self_attn.v_proj.{s}", q + kv, kv),
-                    ]
-                )
-            m[ours + "self_attn.o_proj.weight"] = [
-                W(hp + "self_attn.o_proj.weight", 0, a.hidden_size)
-            ]
-            if a.o_bias:
-                m[ours + "self_attn.o_proj.bias"] = [
-                    W(hp + "self_attn.o_proj.bias", 0, a.hidden_size)
-                ]
-            if a.qk_norm:
-                widths = (
-                    {"q_norm": q, "k_norm": kv}
-                    if a.qk_norm_full
-                    else {"q_norm": a.head_dim, "k_norm": a.head_dim}
-                )
-                for nm, width in widths.items():
-                    m[ours + f"self_attn.{nm}.weight"] = [
-                        W(hp + f"self_attn.{nm}.weight", 0, width)
-                    ]
-            for s in ["weight"] + (["bias"] if a.mlp_bias else []):
-                m[ours + f"mlp.gate_up_proj.{s}"] = (
-                    [W(hp + f"mlp.gate_up_proj.{s}", 0, 2 * inter)]
-                    if a.fused_checkpoint
-                    else [
-                        W(hp + f"mlp.gate_proj.{s}", 0, inter),
-                        W(hp + f"mlp.up_proj.{s}", inter, inter),
-                    ]
-                )
-                m[ours + f"mlp.down_proj.{s}"] = [W(hp + f"mlp.down_proj.{s}", 0, a.hidden_size)]
-        return m
+    )
+    return CheckpointLayout(
+        packed=packed, tied=("lm_head", "embed_tokens") if a.tie_word_embeddings else None
+    )

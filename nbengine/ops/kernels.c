@@ -1,6 +1,7 @@
 /*
  * nbengine's native CPU kernels (x86-64 with AVX-512 BF16), called from Python through
- * ctypes by nbengine/ops/native.py, which compiles this file on first use.
+ * ctypes by nbengine/ops/native.py; nbengine/ops/native_build.py compiles this file on
+ * first use.
  *
  * Conventions: every tensor is contiguous and row-major; bf16 values are passed as
  * uint16_t; arithmetic is float32 and results are rounded to bf16 to nearest-even, as
@@ -462,7 +463,7 @@ static void nb_rope_store(uint16_t *qkv, int64_t qkv_stride, const int64_t *posi
  * Hq query heads, Hkv key heads, Hkv value heads), store each token's new K/V in its
  * cache slot, then attend every token over the cache (a prefill token sees its chunk's
  * keys up to itself, written just before) into `out [T, Hq, D]`. The module path
- * (ops/attention.py, rope_paged_attention) and the decode plan both run this, so they
+ * (ops/attention_kernels.py, rope_paged_attention) and the decode plan both run this, so they
  * stay identical. */
 void nb_rope_attention_bf16(uint16_t *qkv, int64_t qkv_stride, const int64_t *positions,
                             const float *cos_t, const float *sin_t, const int64_t *slots,

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbengine.ops import native
+from nbengine.ops import native, native_build
 from nbengine.ops.arena import WeightArena
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def onednn_twin_supported(dtype: torch.dtype) -> bool:
         linear_mode() == "auto"
         and packed_linear_supported(dtype)
         and native.kernels() is not None
-        and native.has_amx()
+        and native_build.has_amx()
     )
 
 
@@ -163,7 +163,8 @@ class NativeLinear(nn.Module):
         """``x [..., in_features]`` -> ``[..., out_features]`` in ``out_dtype`` (bf16 or f32)."""
         if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():  # the usual case
             # All in this one frame: a Python frame per call costs tens of microseconds with
-            # the caches the previous kernel flushed (ops/attention.py, rope_paged_attention).
+            # the caches the previous kernel flushed (ops/attention_kernels.py,
+            # rope_paged_attention).
             if self._dnn is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
                 y = torch.ops.mkldnn._linear_pointwise(x, self._dnn, self._b, "none", [None], "")
                 return y if out_dtype == torch.bfloat16 else y.to(out_dtype)

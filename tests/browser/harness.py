@@ -5,6 +5,13 @@ port, a random token and isolated config/data/runtime folders; ``NotebookPage`` 
 Playwright page with the few gestures the browser tests need (run a cell, wait for its
 output, click a widget, take a screenshot). Every wait polls a condition with a generous
 timeout; nothing asserts on a fixed sleep.
+
+The setup every browser test shares: ``require_browser()`` (skip without Chromium or
+Playwright), ``fresh_screenshots(sub)`` (artifacts/screenshots/<sub>/, emptied),
+``lab_and_browser(root, base)`` (the server and a launched Chromium),
+``open_notebook(...)`` (a page on one notebook, ready to run, with a screenshot and the
+server's log on failure), ``notebook_in_lab(...)`` (all of it for one new notebook) and
+``tiny_long_context_model(...)`` (a model whose requests outlast the test's clicks).
 """
 
 from __future__ import annotations
@@ -23,6 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCREENSHOTS = REPO / "artifacts" / "screenshots"
+VIEWPORT = {"width": 1400, "height": 1000}
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -400,3 +412,108 @@ def evidence_on_failure(page: NotebookPage, server: LabServer, name: str) -> Ite
             pass
         print(server.log_tail(), file=sys.stderr)
         raise
+
+
+def require_browser() -> Any:
+    """Playwright's sync API; skips the test without /usr/bin/chromium (never downloads a
+    browser) or without playwright.
+
+    The browser tests are required (marked ``browser``): tests/conftest.py lists such a
+    skip in the summary, and turns it into a failure under NBENGINE_REQUIRE_ALL=1 (CI).
+    """
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
+    return pytest.importorskip("playwright.sync_api")
+
+
+def fresh_screenshots(sub: str = "") -> Path:
+    """``artifacts/screenshots/<sub>/``, created, without the previous run's PNGs (those of
+    its subfolders, other tests' screenshots, are kept)."""
+    folder = SCREENSHOTS / sub if sub else SCREENSHOTS
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.png"):
+        old.unlink()
+    return folder
+
+
+@contextlib.contextmanager
+def lab_and_browser(root: Path, base: Path) -> Iterator[tuple[LabServer, Any]]:
+    """JupyterLab serving ``root`` (``jupyter_lab``) and a headless Chromium, both stopped
+    on exit."""
+    sync_api = require_browser()
+    with jupyter_lab(root, base) as server, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            yield server, browser
+        finally:
+            browser.close()
+
+
+@contextlib.contextmanager
+def open_notebook(
+    server: LabServer,
+    browser: Any,
+    name: str,
+    screenshots: Path,
+    *,
+    failure: str = "failure",
+    ready_timeout_s: float = 90.0,
+    cpu_throttle: float = 1.0,
+) -> Iterator[NotebookPage]:
+    """A new page on notebook ``name``, its kernel connected and idle; closed on exit.
+
+    A failure inside the block (or while opening) saves screenshot ``failure`` and prints
+    the server's log (``evidence_on_failure``). ``cpu_throttle`` > 1 slows the page's CPU
+    that many times (a slow browser on a loaded machine).
+    """
+    page = browser.new_page(viewport=VIEWPORT)
+    try:
+        if cpu_throttle > 1:
+            page.context.new_cdp_session(page).send(
+                "Emulation.setCPUThrottlingRate", {"rate": cpu_throttle}
+            )
+        notebook = NotebookPage(page, screenshots)
+        with evidence_on_failure(notebook, server, failure):
+            page.goto(server.notebook_url(name))
+            notebook.wait_ready(server, timeout_s=ready_timeout_s)
+            yield notebook
+    finally:
+        page.close()
+
+
+@contextlib.contextmanager
+def notebook_in_lab(
+    tmp_path: Path, name: str, cells: list[str], screenshots: str = ""
+) -> Iterator[NotebookPage]:
+    """A new notebook ``name`` of ``cells``, open in JupyterLab in Chromium and ready to
+    run (``lab_and_browser`` and ``open_notebook``), its screenshots going to a fresh
+    ``artifacts/screenshots/<screenshots>/``; the server's folders under ``tmp_path``.
+    Skips the test where there is no browser (``require_browser``)."""
+    require_browser()
+    root = tmp_path / "root"
+    root.mkdir()
+    write_notebook(root / name, cells)
+    folder = fresh_screenshots(screenshots)
+    with lab_and_browser(root, tmp_path / "jupyter") as (server, browser):
+        with open_notebook(server, browser, name, folder) as page:
+            yield page
+
+
+def tiny_long_context_model(path: Path, arch: str, **config: Any) -> Path:
+    """A tiny random model of ``arch`` with 16384 positions: a request for most of them
+    is still running when the test clicks, seconds after it started."""
+    from nbengine.testing import make_tiny_model
+
+    return make_tiny_model(
+        path,
+        arch,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+        **config,
+    )

@@ -11,19 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
-    NotebookPage,
-    evidence_on_failure,
-    jupyter_lab,
-    write_notebook,
-)
+from harness import NotebookPage, notebook_in_lab, tiny_long_context_model
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
-
-REPO = Path(__file__).resolve().parents[2]
-SCREENSHOTS = REPO / "artifacts" / "screenshots" / "chat"
 
 
 def _cells(model: Path) -> list[str]:
@@ -81,42 +71,11 @@ def _type_and_send(p: NotebookPage, text: str) -> None:
 
 
 def test_chat_panel_in_jupyterlab(tmp_path: Path) -> None:
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    from nbengine.testing import QWEN_CHAT_TEMPLATE, make_tiny_model
+    from nbengine.testing import QWEN_CHAT_TEMPLATE
 
-    model = make_tiny_model(
-        tmp_path / "chat",
-        "qwen2",
-        chat_template=QWEN_CHAT_TEMPLATE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16384,
-    )
-    root = tmp_path / "root"
-    root.mkdir()
-    write_notebook(root / "chat.ipynb", _cells(model))
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    for old in SCREENSHOTS.glob("*.png"):
-        old.unlink()
-
-    with jupyter_lab(root, tmp_path / "jupyter") as server, sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        p = NotebookPage(page, SCREENSHOTS)
-        try:
-            with evidence_on_failure(p, server, "failure"):
-                page.goto(server.notebook_url("chat.ipynb"))
-                p.wait_ready(server)
-                _stages(p)
-        finally:
-            browser.close()
+    model = tiny_long_context_model(tmp_path / "chat", "qwen2", chat_template=QWEN_CHAT_TEMPLATE)
+    with notebook_in_lab(tmp_path, "chat.ipynb", _cells(model), screenshots="chat") as p:
+        _stages(p)
 
 
 def _stages(p: NotebookPage) -> None:

@@ -23,17 +23,18 @@ from typing import Any
 
 import pytest
 from harness import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
+    REPO,
     LabServer,
     NotebookPage,
-    evidence_on_failure,
-    jupyter_lab,
+    fresh_screenshots,
+    lab_and_browser,
+    open_notebook,
+    require_browser,
 )
+from harness import SCREENSHOTS as SCREENSHOT_ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
-SCREENSHOTS = REPO / "artifacts" / "screenshots" / "tutorials"
+SCREENSHOTS = SCREENSHOT_ROOT / "tutorials"
 
 # Chromium runs the page this many times slower than the CPU allows (the slow browser
 # of a loaded machine, where plotly's FigureWidget drew the dashboard blank: 8x
@@ -98,25 +99,15 @@ def test_tutorials_with_charts_are_known() -> None:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LabServer, Any]]:
-    if not CHROMIUM.exists():
-        # A required test (marked browser): tests/conftest.py reports this skip loudly.
-        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+    require_browser()
     base = tmp_path_factory.mktemp("tutorials")
     root = base / "root"
     root.mkdir()
     for name in EXPECTED_CHARTS:  # the files as shipped, saved outputs included
         shutil.copyfile(NOTEBOOKS / name, root / name)
-    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
-    SCREENSHOTS.mkdir(parents=True)
-    with jupyter_lab(root, base / "jupyter") as server, sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        try:
-            yield server, browser
-        finally:
-            browser.close()
+    fresh_screenshots("tutorials")
+    with lab_and_browser(root, base / "jupyter") as (server, browser):
+        yield server, browser
 
 
 def _run_all(p: NotebookPage, timeout_s: float) -> None:
@@ -158,48 +149,46 @@ def _run_all(p: NotebookPage, timeout_s: float) -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED_CHARTS))
 def test_every_chart_draws_its_data(lab: tuple[LabServer, Any], name: str) -> None:
     server, browser = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    if CPU_THROTTLE > 1:
-        page.context.new_cdp_session(page).send(
-            "Emulation.setCPUThrottlingRate", {"rate": CPU_THROTTLE}
-        )
-    p = NotebookPage(page, SCREENSHOTS)
     stem = Path(name).stem
-    try:
-        with evidence_on_failure(p, server, f"{stem}-failure"):
-            page.goto(server.notebook_url(name))
-            p.wait_ready(server, timeout_s=240)
-            _run_all(p, timeout_s=480)
-            # No cell failed or wrote to stderr (the shipped outputs have neither).
-            errors = p.panel.locator(
-                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+    with open_notebook(
+        server,
+        browser,
+        name,
+        SCREENSHOTS,
+        failure=f"{stem}-failure",
+        ready_timeout_s=240,
+        cpu_throttle=CPU_THROTTLE,
+    ) as p:
+        page = p.page
+        _run_all(p, timeout_s=480)
+        # No cell failed or wrote to stderr (the shipped outputs have neither).
+        errors = p.panel.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+        )
+        assert errors.count() == 0, errors.first.inner_text()
+        expected = EXPECTED_CHARTS[name]
+        # Every chart drawn: the live charts refresh about twice a second until the
+        # engine's shutdown shows its final state, so poll the condition.
+        try:
+            page.wait_for_function(
+                f"""() => {{
+                    const charts = ({_CHARTS_JS})();
+                    return charts.length >= {expected} && charts.every((c) =>
+                        c.titles.length > 0 && c.traces.length > 0 &&
+                        c.traces.every((t) => t.drawn));
+                }}""",
+                timeout=60_000,
             )
-            assert errors.count() == 0, errors.first.inner_text()
-            expected = EXPECTED_CHARTS[name]
-            # Every chart drawn: the live charts refresh about twice a second until the
-            # engine's shutdown shows its final state, so poll the condition.
-            try:
-                page.wait_for_function(
-                    f"""() => {{
-                        const charts = ({_CHARTS_JS})();
-                        return charts.length >= {expected} && charts.every((c) =>
-                            c.titles.length > 0 && c.traces.length > 0 &&
-                            c.traces.every((t) => t.drawn));
-                    }}""",
-                    timeout=60_000,
-                )
-            except Exception:
-                pass
-            charts = page.evaluate(_CHARTS_JS)
-            for k in range(len(charts)):
-                plot = p.panel.locator(".js-plotly-plot").nth(k)
-                plot.scroll_into_view_if_needed()
-                plot.screenshot(path=str(SCREENSHOTS / f"{stem}-chart-{k}.png"))
-            assert len(charts) == expected, charts
-            for chart in charts:
-                assert chart["titles"], f"a chart has no title: {charts}"
-                assert chart["traces"] and all(t["drawn"] for t in chart["traces"]), (
-                    f"a chart does not draw its data: {charts}"
-                )
-    finally:
-        page.close()
+        except Exception:
+            pass
+        charts = page.evaluate(_CHARTS_JS)
+        for k in range(len(charts)):
+            plot = p.panel.locator(".js-plotly-plot").nth(k)
+            plot.scroll_into_view_if_needed()
+            plot.screenshot(path=str(SCREENSHOTS / f"{stem}-chart-{k}.png"))
+        assert len(charts) == expected, charts
+        for chart in charts:
+            assert chart["titles"], f"a chart has no title: {charts}"
+            assert chart["traces"] and all(t["drawn"] for t in chart["traces"]), (
+                f"a chart does not draw its data: {charts}"
+            )

@@ -11,7 +11,8 @@ Stages (one notebook, one kernel, a screenshot of each under artifacts/screensho
 6. ``engine.plot_timeline()`` renders a chart.
 
 Needs /usr/bin/chromium (never downloads a browser): without it the test skips, and
-tests/conftest.py lists the skip in the summary (a failure under NBENGINE_REQUIRE_ALL=1).
+tests/conftest.py lists the skip in the summary (a failure under NBENGINE_REQUIRE_ALL=1;
+harness.py, ``require_browser``).
 """
 
 from __future__ import annotations
@@ -24,32 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
-    NotebookPage,
-    evidence_on_failure,
-    jupyter_lab,
-    write_notebook,
-)
+from harness import REPO, NotebookPage, notebook_in_lab, tiny_long_context_model
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
-SCREENSHOTS = REPO / "artifacts" / "screenshots"
 DEFAULT_MODEL = REPO / "nbengine" / "default_model" / "config.json"
 MIN_CONTEXT = 4096  # positions a model needs for this test's long requests
 
 # Every request the test cancels asks for far more tokens than it can make in the
 # time the test takes, so only a Cancel can end it.
 LONG = "nb.SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True)"
-
-
-def _require_chromium() -> None:
-    # A required test (marked ``browser``): tests/conftest.py reports this skip loudly
-    # and turns it into a failure under NBENGINE_REQUIRE_ALL=1 (as on CI).
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
 
 
 def _engine_args(tmp: Path) -> str:
@@ -64,18 +49,7 @@ def _engine_args(tmp: Path) -> str:
         config = json.loads(DEFAULT_MODEL.read_text())
         if int(config.get("max_position_embeddings", 0)) >= MIN_CONTEXT:
             return "max_num_seqs=8"
-    from nbengine.testing import make_tiny_model
-
-    path = make_tiny_model(
-        tmp / "tiny",
-        arch="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16384,
-    )
+    path = tiny_long_context_model(tmp / "tiny", "llama")
     return (
         f"{str(path)!r}, num_kv_blocks=4096, block_size=16, max_num_seqs=8, "
         "max_num_batched_tokens=256"
@@ -121,29 +95,9 @@ def _cells(engine_args: str) -> list[str]:
 
 
 def test_widgets_in_jupyterlab(tmp_path: Path) -> None:
-    _require_chromium()
-    sync_api = pytest.importorskip("playwright.sync_api")
-
-    root = tmp_path / "root"
-    root.mkdir()
-    write_notebook(root / "widgets.ipynb", _cells(_engine_args(tmp_path)))
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    for old in SCREENSHOTS.glob("*.png"):
-        old.unlink()
-
-    with jupyter_lab(root, tmp_path / "jupyter") as server, sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        nb_page = NotebookPage(page, SCREENSHOTS)
-        try:
-            with evidence_on_failure(nb_page, server, "failure"):
-                page.goto(server.notebook_url("widgets.ipynb"))
-                nb_page.wait_ready(server)
-                _run_stages(nb_page)
-        finally:
-            browser.close()
+    cells = _cells(_engine_args(tmp_path))
+    with notebook_in_lab(tmp_path, "widgets.ipynb", cells) as nb_page:
+        _run_stages(nb_page)
 
 
 # The scrolling box of a handle's text, in cell ``i``: its geometry and text length.

@@ -7,12 +7,8 @@ import random
 import pytest
 import torch
 
-from nbengine.ops.attention import (
-    ChunkSpec,
-    build_attention_metadata,
-    paged_attention,
-    paged_attention_ref,
-)
+from nbengine.ops.attention import ChunkSpec, build_attention_metadata
+from nbengine.ops.attention_kernels import paged_attention, paged_attention_ref
 
 
 def _run_both(

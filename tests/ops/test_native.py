@@ -15,15 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbengine.ops import attention, native
+from nbengine.ops import attention, attention_kernels, native
 from nbengine.ops.activation import silu_and_mul, silu_and_mul_ref
 from nbengine.ops.arena import WeightArena
-from nbengine.ops.attention import (
-    ChunkSpec,
-    build_attention_metadata,
-    paged_attention,
-    paged_attention_ref,
-)
+from nbengine.ops.attention import ChunkSpec, build_attention_metadata
+from nbengine.ops.attention_kernels import paged_attention, paged_attention_ref
 from nbengine.ops.linear import NativeLinear, pack_linears
 from nbengine.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_ref
 from nbengine.ops.rotary import RotaryEmbedding, apply_rotary_ref
@@ -203,7 +199,7 @@ def test_rope_attention_is_rotate_write_and_attend_bit_for_bit(
     want = paged_attention(q, k, v, kc1, vc1, meta, scale, window)
 
     qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
-    got = attention.rope_paged_attention(
+    got = attention_kernels.rope_paged_attention(
         qkv2, n_heads, positions, rope, kc2, vc2, meta, scale, window
     )
     assert got is not None
@@ -220,7 +216,9 @@ def test_rope_attention_leaves_long_prefills_to_sdpa(monkeypatch: pytest.MonkeyP
 
     def fused() -> torch.Tensor | None:
         meta = build_attention_metadata(chunks, 4)
-        return attention.rope_paged_attention(qkv, 1, positions, rope, kc, kc.clone(), meta, 0.125)
+        return attention_kernels.rope_paged_attention(
+            qkv, 1, positions, rope, kc, kc.clone(), meta, 0.125
+        )
 
     assert fused() is None  # a 9-key prefill: SDPA's
     monkeypatch.setattr(attention, "NATIVE_PREFILL_MAX_KEYS", 16)

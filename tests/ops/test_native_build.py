@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nbengine.ops import native
+from nbengine.ops import native_build
 from nbengine.testing import TINY_LLAMA, make_tiny_model
 
 
@@ -44,7 +44,7 @@ def test_a_float32_engine_builds_and_loads_nothing(tmp_path: Path) -> None:
 
 
 needs_native = pytest.mark.skipif(
-    native._unsupported() is not None, reason=f"native kernels: {native._unsupported()}"
+    native_build.unsupported() is not None, reason=f"native kernels: {native_build.unsupported()}"
 )
 
 LOAD = (
@@ -59,12 +59,15 @@ def test_a_tampered_cached_library_is_rebuilt(tmp_path: Path) -> None:
     assert first["ok"]
     library = Path(str(first["path"]))
     record = library.with_suffix(".sha256")
-    assert record.read_text().split()[1] == native._sha256(library)
+    assert record.read_text().split()[1] == native_build._sha256(library)
     good = library.read_bytes()
     library.write_bytes(good[:4096])  # a truncated (or replaced) library
     second = _run(LOAD, tmp_path)
     assert second == first  # loaded again, from a fresh build
-    assert library.read_bytes() == good or native._sha256(library) == record.read_text().split()[1]
+    assert (
+        library.read_bytes() == good
+        or native_build._sha256(library) == record.read_text().split()[1]
+    )
     record.unlink()  # no record at all: not trusted either
     assert _run(LOAD, tmp_path)["ok"] and record.exists()
     os.chmod(library, 0o777)  # writable by anyone: rebuilt with safe permissions
@@ -90,7 +93,7 @@ def test_auto_dtype_follows_the_checkpoint_and_the_machine(tmp_path: Path) -> No
         "    print(json.dumps({'auto': auto.dtype, 'tokens': n,"
         " 'native': native.kernels.cache_info().currsize > 0 and native.kernels() is not None}))"
     )
-    with_native = native._unsupported() is None
+    with_native = native_build.unsupported() is None
     result = _run(code, tmp_path / "cache")
     assert result == {
         "auto": "bfloat16" if with_native else "float32",

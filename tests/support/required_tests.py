@@ -82,6 +82,6 @@ def pytest_terminal_summary(
         tr.write_line(f"SKIPPED (required) {nodeid}: {reason}", red=True)
     tr.write_line(
         f"These run on CI, where {REQUIRE_ALL_ENV}=1 turns a skip into a failure "
-        "(README, 'Testing notes').",
+        "(docs/testing.md).",
         yellow=True,
     )
