@@ -396,6 +396,27 @@ class NotebookPage:
         self.page.screenshot(path=str(path), full_page=False)
         return path
 
+    def screenshot_cells(self, first: int, last: int, name: str, margin: int = 4) -> Path:
+        """Save a screenshot of cells ``first`` to ``last`` (inputs and outputs) alone:
+        the page clipped to their bounding box, ``margin`` pixels around it except below
+        (where the next cell's selection border would show)."""
+        assert not self.toasts(), f"a notification covers the page: {self.toasts()}"
+        boxes = []
+        for i in range(first, last + 1):
+            self.cell(i).scroll_into_view_if_needed()
+            box = self.cell(i).bounding_box()
+            assert box is not None, f"cell {i} is not shown"
+            boxes.append(box)
+        x0 = min(b["x"] for b in boxes) - margin
+        y0 = min(b["y"] for b in boxes) - margin
+        x1 = max(b["x"] + b["width"] for b in boxes) + margin
+        y1 = max(b["y"] + b["height"] for b in boxes)
+        self.screenshot_dir.mkdir(parents=True, exist_ok=True)
+        path = self.screenshot_dir / f"{name}.png"
+        clip = {"x": max(0.0, x0), "y": max(0.0, y0), "width": x1 - x0, "height": y1 - y0}
+        self.page.screenshot(path=str(path), clip=clip)
+        return path
+
 
 @contextlib.contextmanager
 def evidence_on_failure(page: NotebookPage, server: LabServer, name: str) -> Iterator[None]:
