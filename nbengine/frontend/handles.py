@@ -302,7 +302,12 @@ class RequestHandle:
                 logger.exception("done callback of request %r failed", self.request_id)
 
     def add_done_callback(self, cb: Callable[[RequestHandle], None]) -> None:
-        """Run ``cb(handle)`` once the final output is delivered (at once if it was)."""
+        """Run ``cb(handle)`` once the final output is delivered (at once if it was).
+
+        It runs on the engine's loop thread just after the final output is published and
+        the handle's waiters are woken, so ``result()`` on another thread may return a
+        moment before it has run.
+        """
         with self._cond:
             if self._final is None:
                 self._done_callbacks.append(cb)

@@ -174,6 +174,11 @@ class EngineLifecycle(RuleBasedStateMachine):
         h = rec.handle
         final = h.final_output
         assert final is not None and h.done()
+        # Done callbacks run on the loop thread just after the final output is published
+        # (and its waiters woken), so a caller may see done() a moment before they ran.
+        deadline = time.monotonic() + WAIT_S
+        while not rec.finals and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert len(rec.finals) == 1, f"{len(rec.finals)} final outputs for {rec.request_id}"
         assert final.finished
         assert final.request_id == rec.request_id
