@@ -23,7 +23,12 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from nbengine.frontend.waiter import ABORT_CONFIRM_S, interrupts_the_caller, make_async_waiter
+from nbengine.frontend.waiter import (
+    ABORT_CONFIRM_S,
+    interrupts_the_caller,
+    make_async_waiter,
+    next_wait_s,
+)
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
@@ -38,7 +43,6 @@ __all__ = ["HandleOwner", "RequestHandle"]
 logger = logging.getLogger(__name__)
 
 _SYNC_WAKE_S = 0.1  # sync waits wake this often (SIGINT delivery, liveness checks)
-_ASYNC_WAKE_S = 0.25
 
 
 def merge_outputs(pending: RequestOutput, new: RequestOutput, kind: RequestOutputKind) -> None:
@@ -449,11 +453,9 @@ class RequestHandle:
             with self._cond:
                 if ready():
                     return True
-                timeout = _ASYNC_WAKE_S
-                if until is not None:
-                    timeout = min(timeout, until - time.monotonic())
-                    if timeout <= 0:
-                        return False
+                timeout = next_wait_s(until)
+                if timeout is None:
+                    return False
                 wake, wait = make_async_waiter(shielded=until is not None)
                 self._wakers.append(wake)
             try:

@@ -30,7 +30,12 @@ import anyio.from_thread
 
 from nbengine.core.client import CoreClient
 from nbengine.core.messages import EngineCoreOutputs
-from nbengine.frontend.waiter import ABORT_CONFIRM_S, interrupts_the_caller, make_async_waiter
+from nbengine.frontend.waiter import (
+    ABORT_CONFIRM_S,
+    interrupts_the_caller,
+    make_async_waiter,
+    next_wait_s,
+)
 from nbengine.request import EngineDeadError
 
 if TYPE_CHECKING:
@@ -43,7 +48,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _WAKE_S = 0.1
-_ASYNC_WAKE_S = 0.25
 _CORE_DEATH_GRACE_S = 2.0  # a dead core thread whose failure the loop has not delivered
 
 
@@ -162,11 +166,9 @@ class LoopBridge:
         (a ``time.monotonic()`` reading; False then) when it is given."""
         for fut in futures:
             while not fut.done():
-                timeout = _ASYNC_WAKE_S
-                if until is not None:
-                    timeout = min(timeout, until - time.monotonic())
-                    if timeout <= 0:
-                        return False
+                timeout = next_wait_s(until)
+                if timeout is None:
+                    return False
                 wake, wait = make_async_waiter(shielded=until is not None)
                 fut.add_done_callback(_call_ignoring_future(wake))
                 await wait(timeout)

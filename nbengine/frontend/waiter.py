@@ -33,12 +33,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import sniffio
 
-__all__ = ["ABORT_CONFIRM_S", "interrupts_the_caller", "make_async_waiter"]
+__all__ = [
+    "ABORT_CONFIRM_S",
+    "ASYNC_WAKE_S",
+    "interrupts_the_caller",
+    "make_async_waiter",
+    "next_wait_s",
+]
 
 WakeFn = Callable[[], None]
 WaitFn = Callable[[float], Awaitable[None]]
@@ -47,6 +54,19 @@ WaitFn = Callable[[float], Awaitable[None]]
 # the abort of its request before the exception goes on; the core confirms within one
 # engine step, and the abort completes later if this passes (docs/lifecycle.md).
 ABORT_CONFIRM_S = 10.0
+
+# How long one async wait sleeps before its caller looks at the engine's health again,
+# when nothing woke it earlier.
+ASYNC_WAKE_S = 0.25
+
+
+def next_wait_s(until: float | None) -> float | None:
+    """How long the next wait may sleep: ``ASYNC_WAKE_S``, cut to the time left before
+    ``until`` (a ``time.monotonic()`` reading) when one is given; None once it passed."""
+    if until is None:
+        return ASYNC_WAKE_S
+    left = until - time.monotonic()
+    return min(ASYNC_WAKE_S, left) if left > 0 else None
 
 
 def interrupts_the_caller(exc: BaseException) -> bool:
