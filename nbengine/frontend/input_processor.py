@@ -18,7 +18,7 @@ from typing import Any
 
 from nbengine.sampling_params import SamplingParams
 from nbengine.structured_outputs import GrammarCompiler, GrammarMatcher
-from nbengine.validation import is_int
+from nbengine.validation import check_encodable, is_int
 
 
 @dataclass(slots=True)
@@ -152,7 +152,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("The prompt is empty; give at least one character or token.")
-            _check_encodable("The prompt", prompt)
+            check_encodable("The prompt", prompt)
             text = prompt
             ids = list(self.tokenizer.encode(prompt))
             if not ids:
@@ -231,15 +231,3 @@ def _unwrap_prompt_dict(prompt: object) -> tuple[Any, str | None]:
         "A prompt dict must have one key 'prompt' (text) or 'prompt_token_ids' (and "
         f"optionally 'cache_salt'); got {sorted(map(str, prompt))}."
     )
-
-
-def _check_encodable(what: str, text: str) -> None:
-    """Refuse text that is not valid Unicode (a lone surrogate cannot be UTF-8 encoded,
-    and the tokenizers library would fail with an obscure TypeError)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"{what} is not valid Unicode: it has a lone surrogate {text[exc.start]!r} at "
-            f"character {exc.start}."
-        ) from None

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import nbengine as nb
-from nbengine.model.chat_template import NoChatTemplateError
+from nbengine.model.chat_template import ChatTemplateError, NoChatTemplateError
 from nbengine.testing import QWEN_CHAT_TEMPLATE, TINY_LLAMA, make_tiny_model
 
 from support.models import ENGINE_KW
@@ -88,6 +88,37 @@ def test_chat_rejects_bad_input_before_registering(chat_engine: nb.Engine, tmp_p
         assert h.result(timeout=60).prompt_token_ids == eng.tokenizer.encode(
             "You tell short stories.\nOnce upon a time\n", add_special_tokens=False
         )
+
+
+@pytest.mark.timeout(300)  # a hang-guard: the loop below would run 10**10 iterations
+def test_chat_arguments_and_runaway_templates_fail_at_the_call(chat_engine: nb.Engine) -> None:
+    # Each is refused by chat() itself, naming the argument, with no request left behind.
+    lone = [CONV[0], {"role": "user", "content": "Once upon a \ud800 time"}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\['content'\] is not valid Unicode"):
+        chat_engine.chat(lone)
+    looped: dict[str, object] = {"role": "user", "content": "hi"}
+    looped["self"] = looped
+    with pytest.raises(ValueError, match=r"messages\[0\] contains itself"):
+        chat_engine.chat([looped])
+    with pytest.raises(TypeError, match="tools must be a list of JSON-schema dicts, got int"):
+        chat_engine.chat(CONV, tools=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        chat_engine.chat(CONV, chat_template_kwargs=[1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ChatTemplateError, match="size bound") as info:
+        chat_engine.chat(CONV, chat_template="{{ 'a' * 10**10 }}")
+    assert "MemoryError" not in str(info.value)
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="steps|time bound"):
+        chat_engine.chat(CONV, chat_template=loops)
+    with pytest.raises(ChatTemplateError) as failed:
+        chat_engine.chat(CONV, chat_template="{{ 1 / 0 }}")
+    assert isinstance(failed.value.__cause__, ZeroDivisionError)
+    assert chat_engine.num_unfinished_requests() == 0
+    # The engine is unharmed: the next chat runs.
+    out = chat_engine.chat(CONV, nb.SamplingParams(max_tokens=2, ignore_eos=True)).result(
+        timeout=60
+    )
+    assert len(out.outputs[0].token_ids) == 2
 
 
 def test_llm_chat_one_or_many_conversations(qwen_chat: Path) -> None:

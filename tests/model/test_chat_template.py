@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import chat_templates as T
+import jinja2
 import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
@@ -270,3 +271,258 @@ def test_sandbox_and_helpers(base: Path, tmp_path: Path) -> None:
     )
     assert out == "1|" + json.dumps(TOOLS[0], ensure_ascii=False, indent=2)
     assert "«today»" in out and "\\u00ab" not in out  # ensure_ascii=False, as transformers
+
+
+# -- Chat templates are untrusted code: a render is bounded, and every failure is clear --
+
+# Each of these would build gigabytes (MemoryError, or the kernel killed without a memory
+# cap) or run for hours; each must stop at a bound with a ChatTemplateError naming it.
+SIZE_BOMBS = {
+    "str-times": "{{ 'a' * 10**10 }}",
+    "list-times": "{{ (['a'] * 10**9)|length }}",
+    "doubling-tilde": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "doubling-plus": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+    "nested-list-doubling": "{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}"
+    "{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
+    "int-squaring": "{% set ns = namespace(n=10) %}{% for i in range(40) %}"
+    "{% set ns.n = ns.n * ns.n %}{% endfor %}{{ ns.n > 0 }}",
+    "power": "{{ 10 ** 100000000 }}",
+    "str.ljust": "{{ 'a'.ljust(10**10) }}",
+    "str.zfill": "{{ '1'.zfill(10**10) }}",
+    "str.expandtabs": "{{ ('\t' * 1000).expandtabs(10**8) }}",
+    "str.format": "{{ '{:>10000000000}'.format('a') }}",
+    "str.replace": "{{ ('a' * 1000).replace('', 'b' * 100000) }}",
+    "str.translate": "{{ ('a' * 100000).translate({97: 'b' * 1000}) }}",
+    "str.join": "{{ ('x' * 100000).join(range(100000)|map('string')) }}",
+    "percent": "{{ '%10000000000d' % 1 }}",
+    "filter-center": "{{ 'a'|center(10**10) }}",
+    "folded-while-compiling": "{{ 'a'|center(10000000000) }}",
+    "filter-indent": "{{ 'a\nb'|indent(10**10) }}",
+    "filter-replace": "{{ ('a' * 1000)|replace('', 'b' * 100000) }}",
+    "filter-join": "{{ range(100000)|map('string')|join('x' * 100000) }}",
+    "filter-wordwrap": "{{ ('a ' * 10000)|wordwrap(1, wrapstring='b' * 1000) }}",
+    "filter-format": "{{ '%10000000000s'|format('a') }}",
+    "filter-slice": "{{ range(3)|slice(10**9)|list|length }}",
+    "filter-batch": "{{ range(3)|batch(10**9, 'x')|list|length }}",
+    "filter-tojson": "{{ messages|tojson(indent=10**10) }}",
+    "lipsum": "{{ lipsum(10**8) }}",
+    "many-outputs": "{% for i in range(100000) %}{% for j in range(100) %}{{ 'x' * 1000 }}"
+    "{% endfor %}{% endfor %}",
+    "template-text": "{% for i in range(100000) %}{% for j in range(100) %}"
+    + "x" * 1000
+    + "{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.timeout(120)  # a hang-guard: each stops at once
+@pytest.mark.parametrize("source", SIZE_BOMBS.values(), ids=SIZE_BOMBS.keys())
+def test_output_bombs_stop_at_the_size_bound(source: str) -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChatTemplateError) as info:
+            ChatTemplate().render(TURNS, chat_template=source)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    # It stopped at the bound before building the value, not at a MemoryError.
+    assert "bound" in message and "MemoryError" not in message, message
+    assert re.search(r"characters|bits", message), message
+    assert peak < 300 * 2**20, f"the render held {peak / 2**20:.0f} MiB"
+
+
+RUNAWAY_LOOPS = {
+    "nested-loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+    "{% endfor %}",
+    "nested-map": "{% for i in range(100000) %}{% for j in range(100000)|map('string') %}"
+    "{% endfor %}{% endfor %}done",
+    "macro-fanout": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
+    "{% endmacro %}{{ f(40) }}",
+    "recursive-loop": "{% for x in range(100000) recursive %}{% if loop.depth < 12 %}"
+    "{{ loop(range(100000)) }}{% endif %}{% endfor %}",
+}
+
+
+@pytest.mark.timeout(300)  # a hang-guard: 10**10 iterations stop at the step bound
+@pytest.mark.parametrize("source", RUNAWAY_LOOPS.values(), ids=RUNAWAY_LOOPS.keys())
+def test_runaway_loops_stop_at_the_step_bound(source: str) -> None:
+    with pytest.raises(ChatTemplateError, match=r"steps|time bound") as info:
+        ChatTemplate().render(TURNS, chat_template=source)
+    assert "bound" in str(info.value)
+
+
+@pytest.mark.timeout(300)
+def test_slow_steps_stop_at_the_time_bound() -> None:
+    import threading
+
+    from nbengine.model.chat_template import RenderLimits
+
+    # Few steps (100k, under the step bound), each a replace over 2M characters: hours.
+    source = (
+        "{% set big = 'ab' * 1000000 %}{% for i in range(100000) %}"
+        "{% set _ = big|replace('a', 'c') %}{% endfor %}"
+    )
+    threads = threading.active_count()
+    with pytest.raises(ChatTemplateError, match=r"longer than 0.5 s, the time bound"):
+        ChatTemplate(limits=RenderLimits(timeout_s=0.5)).render(TURNS, chat_template=source)
+    assert threading.active_count() == threads  # rendered on the caller's thread
+
+
+FAILING_TEMPLATES: dict[str, tuple[str, type[BaseException]]] = {
+    "zero-division": ("{{ 1 / 0 }}", ZeroDivisionError),
+    "float-overflow": ("{{ 2.0 ** 100000 }}", OverflowError),
+    "recursion": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", RecursionError),
+    "range-too-big": ("{{ range(10**6)|list }}", OverflowError),
+    "format-code": ("{{ '{:d}'.format('x') }}", ValueError),
+    "compare": ("{{ 'a' < 1 }}", TypeError),
+    "sandbox": ("{{ messages.__class__.__mro__ }}", jinja2.exceptions.SecurityError),
+    "deep-source": ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", Exception),
+}
+
+
+@pytest.mark.parametrize("source,cause", FAILING_TEMPLATES.values(), ids=FAILING_TEMPLATES.keys())
+def test_every_template_failure_is_a_chat_template_error(
+    source: str, cause: type[BaseException]
+) -> None:
+    with pytest.raises(ChatTemplateError) as info:
+        ChatTemplate().render(TURNS, chat_template=source)
+    assert isinstance(info.value.__cause__, cause), repr(info.value.__cause__)
+    # A template that writes a lone surrogate cannot be tokenized: refused here.
+    with pytest.raises(ChatTemplateError, match="lone surrogate"):
+        ChatTemplate().render(TURNS, chat_template="{{ 'a\\ud800' }}")
+
+
+def _self_containing() -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "user", "content": "hi"}
+    message["again"] = message
+    return message
+
+
+def _deep(levels: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def _doubled(times: int) -> Any:
+    value: Any = ["a"]
+    for _ in range(times):
+        value = [value, value]  # small in memory, 2**times values when copied
+    return value
+
+
+def _loop_content() -> list[Any]:
+    content: list[Any] = []
+    content.append(content)
+    return content
+
+
+USER = {"role": "user", "content": "hi"}
+BAD_ARGUMENTS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "surrogate-content": (
+        {"messages": [USER, {"role": "user", "content": "a\ud800b"}]},
+        ValueError,
+        r"messages\[1\]\['content'\] is not valid Unicode: it has a lone surrogate",
+    ),
+    "surrogate-part": (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+        ValueError,
+        r"messages\[0\]\['content'\]\[0\]\['text'\] is not valid Unicode",
+    ),
+    "surrogate-key": (
+        {"messages": [{"role": "user", "content": "hi", "\ud800": 1}]},
+        ValueError,
+        r"A key of messages\[0\] is not valid Unicode",
+    ),
+    "surrogate-tool": (
+        {"tools": [{"type": "function", "function": {"name": "\ud800"}}]},
+        ValueError,
+        r"tools\[0\]\['function'\]\['name'\] is not valid Unicode",
+    ),
+    "surrogate-kwarg": (
+        {"chat_template_kwargs": {"x": "\ud800"}},
+        ValueError,
+        r"chat_template_kwargs\['x'\] is not valid Unicode",
+    ),
+    "self-containing": (
+        {"messages": [USER, _self_containing()]},
+        ValueError,
+        r"messages\[1\] contains itself \(at messages\[1\]\['again'\]\)",
+    ),
+    "content-containing-itself": (
+        {"messages": [{"role": "user", "content": _loop_content()}]},
+        ValueError,
+        r"messages\[0\]\['content'\] contains itself",
+    ),
+    "too-deep": (
+        {"messages": [{"role": "user", "content": _deep(10000)}]},
+        ValueError,
+        r"messages\[0\]\['content'\] is nested more than \d+ deep",
+    ),
+    "expands-to-too-many": (
+        {"messages": [{"role": "user", "content": "hi", "x": _doubled(40)}]},
+        ValueError,
+        r"messages\[0\]\['x'\] holds more than [\d,]+ values",
+    ),
+    "not-json": (
+        {"messages": [{"role": "user", "content": {1, 2}}]},
+        TypeError,
+        r"messages\[0\]\['content'\] must be JSON-like .* got set",
+    ),
+    "role-not-str": (
+        {"messages": [{"role": 5, "content": "hi"}]},
+        TypeError,
+        r"messages\[0\]\['role'\] must be a string, got int",
+    ),
+    "message-not-dict": ({"messages": [USER, 5]}, TypeError, r"messages\[1\] must be a dict"),
+    "no-role": ({"messages": [{"content": "hi"}]}, ValueError, r"messages\[0\] has no 'role'"),
+    "tools-int": ({"tools": 5}, TypeError, r"tools must be a list of JSON-schema dicts, got int"),
+    "tools-str": ({"tools": "x"}, TypeError, r"tools must be a list .*got str"),
+    "tool-int": ({"tools": [5]}, TypeError, r"tools\[0\] must be a dict, got int"),
+    "kwargs-list": (
+        {"chat_template_kwargs": [1, 2]},
+        TypeError,
+        r"chat_template_kwargs must be a dict of template variables, got list",
+    ),
+    "kwargs-int-key": (
+        {"chat_template_kwargs": {1: 2}},
+        TypeError,
+        r"chat_template_kwargs keys must be strings, got 1",
+    ),
+    "kwargs-reserved": (
+        {"chat_template_kwargs": {"messages": []}},
+        ValueError,
+        r"chat_template_kwargs may not set 'messages'",
+    ),
+    "kwargs-not-json": (
+        {"chat_template_kwargs": {"x": object()}},
+        TypeError,
+        r"chat_template_kwargs\['x'\] must be JSON-like",
+    ),
+    "add_generation_prompt": (
+        {"add_generation_prompt": "yes"},
+        TypeError,
+        r"add_generation_prompt must be a bool, got 'yes'",
+    ),
+    "continue_final_message": (
+        {"continue_final_message": 1, "add_generation_prompt": False},
+        TypeError,
+        r"continue_final_message must be a bool, got 1",
+    ),
+}
+
+
+@pytest.mark.timeout(120)  # a hang-guard: 2**40 copies are refused, not made
+@pytest.mark.parametrize("kw,exc,match", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_bad_arguments_are_refused_naming_the_argument(
+    kw: dict[str, Any], exc: type[Exception], match: str
+) -> None:
+    kw = {"messages": TURNS, **kw}
+    template = ChatTemplate({"default": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    with pytest.raises(exc, match=match):
+        template.render(kw.pop("messages"), **kw)
