@@ -24,7 +24,6 @@ its own ``bos_token``), so the ids equal ``transformers``'
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Any
 
 import jinja2
 
+from nbengine.model.errors import ModelLoadError
+from nbengine.model.files import is_regular_file, open_regular, read_json
 from nbengine.model.template_sandbox import (
     CONTAINER_COST,
     SEPARATOR_COST,
@@ -110,13 +111,22 @@ def _token_content(value: object) -> str | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
+    """A model file's JSON object ({} if absent), read as the loader reads it: a FIFO or
+    JSON nested too deep is refused at once (nbengine/model/files.py)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ChatTemplateError(f"Cannot parse {path}: {exc}") from exc
+        data = read_json(path) if is_regular_file(path) else {}
+    except ModelLoadError as exc:
+        raise ChatTemplateError(str(exc)) from exc
     return data if isinstance(data, dict) else {}
+
+
+def _read_text(path: Path) -> str:
+    """A model's template file, refused at once unless it is a regular UTF-8 file."""
+    try:
+        with open_regular(path) as f:
+            return f.read().decode("utf-8")
+    except (ModelLoadError, OSError, UnicodeDecodeError) as exc:
+        raise ChatTemplateError(f"Cannot read {path}: {exc}") from exc
 
 
 _HERE = object()  # the key of a value that is named by its parent alone
@@ -364,8 +374,8 @@ class ChatTemplate:
         templates: dict[str, str] = {}
         jinja_file = path / "chat_template.jinja"
         source = str(path)
-        if jinja_file.is_file():  # as in transformers: the file wins over the config entry
-            templates["default"] = jinja_file.read_text(encoding="utf-8")
+        if jinja_file.exists():  # as in transformers: the file wins over the config entry
+            templates["default"] = _read_text(jinja_file)
             source = str(jinja_file)
         else:
             entry = tok_cfg.get("chat_template")

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import nbengine as nb
+from nbengine.model.chat_template import ChatTemplate, ChatTemplateError
 from nbengine.model.errors import ModelLoadError
 from nbengine.model.files import json_depth_problem
 from nbengine.model.weights import read_safetensors_header
@@ -300,3 +301,39 @@ def test_a_fifo_in_place_of_a_model_file_is_refused_promptly(
     exc = _engine_outcome(lambda: nb.Engine(str(d), **ENGINE_KW), [target])
     assert isinstance(exc, ModelLoadError), repr(exc)
     assert str(target) in str(exc) and "is not a regular file but a FIFO" in str(exc), str(exc)
+
+
+def _template_outcome(d: Path, fifos: list[Path]) -> BaseException | None:
+    """What ``ChatTemplate.from_dir(d)`` raised, within HANG_GUARD_S (as _engine_outcome)."""
+
+    class _Loaded:
+        def __init__(self) -> None:
+            ChatTemplate.from_dir(d)
+
+        def shutdown(self) -> None:
+            pass
+
+    return _engine_outcome(_Loaded, fifos)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("name", ["special_tokens_map.json", "chat_template.jinja"])
+def test_a_fifo_among_the_chat_template_files_is_refused_promptly(
+    tiny_model: Path, tmp_path: Path, name: str
+) -> None:
+    d = _copy(tiny_model, tmp_path)
+    target = d / name
+    target.unlink(missing_ok=True)
+    os.mkfifo(target)
+    exc = _template_outcome(d, [target])
+    assert isinstance(exc, ChatTemplateError), repr(exc)
+    assert str(target) in str(exc) and "FIFO" in str(exc), str(exc)
+
+
+def test_a_deep_special_tokens_map_is_a_chat_template_error_naming_it(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    d = _copy(tiny_model, tmp_path)
+    (d / "special_tokens_map.json").write_bytes(b'{"bos_token": ' + _deep(200_000) + b"}")
+    with pytest.raises(ChatTemplateError, match="special_tokens_map.json.*deeper than"):
+        ChatTemplate.from_dir(d)
