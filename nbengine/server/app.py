@@ -364,6 +364,28 @@ async def _await_final(
     return _failure(state, handle, box[-1]) or box[-1]
 
 
+async def _final_response(
+    state: _ServerState,
+    request: Request,
+    handle: RequestHandle,
+    head: dict[str, Any],
+    choice: Callable[[CompletionOutput], dict[str, Any]],
+) -> Response:
+    """A non-streaming route's answer: the final output's choices (each written by the
+    route's ``choice``) and usage; the error when it cannot finish; 499 when the client
+    left first."""
+    final = await _await_final(state, request, handle)
+    if final is None:
+        return Response(status_code=499)
+    if isinstance(final, P.ProtocolError):
+        return _error(final)
+    choices = [choice(c) for c in final.outputs]
+    n_out = sum(len(c.token_ids) for c in final.outputs)
+    return JSONResponse(
+        {**head, "choices": choices, "usage": P.usage(len(final.prompt_token_ids), n_out)}
+    )
+
+
 # ---------------------------------------------------------------------- routes
 
 
@@ -443,25 +465,17 @@ def build_app(
                     state, handle, head, _CompletionChunks(head, tokenizer), req.stream_options
                 ),
             )
-        final = await _await_final(state, request, handle)
-        if final is None:
-            return Response(status_code=499)
-        if isinstance(final, P.ProtocolError):
-            return _error(final)
-        choices = [
-            {
+
+        def choice(c: CompletionOutput) -> dict[str, Any]:
+            return {
                 "index": c.index,
                 "text": c.text,
                 "logprobs": P.completion_logprobs(tokenizer, c, 0),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            for c in final.outputs
-        ]
-        n_out = sum(len(c.token_ids) for c in final.outputs)
-        return JSONResponse(
-            {**head, "choices": choices, "usage": P.usage(len(final.prompt_token_ids), n_out)}
-        )
+
+        return await _final_response(state, request, handle, head, choice)
 
     async def chat_completions(request: Request) -> Response:
         try:
@@ -501,25 +515,17 @@ def build_app(
             return _EventStream(
                 state, handle, _events(state, handle, chunk_head, render, req.stream_options)
             )
-        final = await _await_final(state, request, handle)
-        if final is None:
-            return Response(status_code=499)
-        if isinstance(final, P.ProtocolError):
-            return _error(final)
-        choices = [
-            {
+
+        def choice(c: CompletionOutput) -> dict[str, Any]:
+            return {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": P.chat_logprobs(tokenizer, c, top_n) if req.logprobs else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            for c in final.outputs
-        ]
-        n_out = sum(len(c.token_ids) for c in final.outputs)
-        return JSONResponse(
-            {**head, "choices": choices, "usage": P.usage(len(final.prompt_token_ids), n_out)}
-        )
+
+        return await _final_response(state, request, handle, head, choice)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
