@@ -111,6 +111,7 @@ class GPT2LMHeadModel(CheckpointModule):
         self.num_layers = a.num_layers
         self.num_kv_heads = a.num_heads
         self.head_dim = a.hidden_size // a.num_heads
+        self.layer_windows: tuple[int | None, ...] = (None,) * a.num_layers  # full attention
         self.wte = nn.Embedding(a.vocab_size, a.hidden_size)
         self.wpe = nn.Embedding(a.max_positions, a.hidden_size)
         self.h = nn.ModuleList(GPT2Block(a) for _ in range(a.num_layers))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from nbengine.model.decode_plan import DecodePlan, build_decode_plan, cache_key
+from nbengine.model.protocol import PlannedDecode
 from nbengine.model.weight_map import CheckpointLayout, CheckpointModule
 from nbengine.model.windows import layer_windows, rope_layers
 from nbengine.ops.activation import silu_and_mul
@@ -276,8 +277,9 @@ class PostNormDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp.forward(x)), x
 
 
-class LlamaForCausalLM(CheckpointModule):
-    """The Llama-family decoder (see the module docstring) over a paged KV cache."""
+class LlamaForCausalLM(CheckpointModule, PlannedDecode):
+    """The Llama-family decoder (see the module docstring) over a paged KV cache; decode
+    steps may run through its decode plan (``PlannedDecode``, model/protocol.py)."""
 
     def __init__(self, a: DecoderArgs) -> None:
         super().__init__()
@@ -306,7 +308,8 @@ class LlamaForCausalLM(CheckpointModule):
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.tie_weights()
         # Decode-only steps run through a DecodePlan where the native kernels can run the
-        # whole stack; set False to force the module path (tests compare the two).
+        # whole stack; False forces the module path (the device path; tests compare the
+        # two). The runner sets both limits once, through configure_decode_plans.
         self.decode_plans_enabled = True
         # With oneDNN twins (ops/linear.py), decode steps of more rows than this run the
         # module path, whose products of that many rows run on the twins; None: no limit.
@@ -334,6 +337,11 @@ class LlamaForCausalLM(CheckpointModule):
             x, residual = layer.forward(x, residual, positions, meta, kc, vc)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[0]
+
+    def configure_decode_plans(self, *, enabled: bool, max_rows: int | None) -> None:
+        """Whether decode plans may run, and on steps of at most how many rows."""
+        self.decode_plans_enabled = enabled
+        self.decode_plan_max_rows = max_rows
 
     def decode_logits(
         self,

@@ -391,5 +391,5 @@ def load_model(
         architecture=arch,
         path=path,
         tokenizer=tokenizer,
-        kv_sliding_window=kv_window(tuple(getattr(model, "layer_windows", ()))),
+        kv_sliding_window=kv_window(model.layer_windows),
     )

@@ -4,10 +4,14 @@ Per step: flatten the scheduled chunks (single-token chunks first, so the attent
 can batch them), build input ids, positions and the attention metadata (slot mapping,
 gather tables, masks) once, run the model under ``torch.inference_mode``, project to
 logits only the rows that are needed (the last row of every chunk that samples, and the
-prompt rows of requests that asked for ``prompt_logprobs``), then sample. A decode-only
-step the model's decode plan can run (model/decode_plan.py) is one call for the logits,
-or for the tokens themselves when every request's token is its logits' argmax and
-nothing else is asked of them (``Sampler.argmax_suffices``).
+prompt rows of requests that asked for ``prompt_logprobs``), then sample.
+
+The execution path is chosen once, when the runner is built: the device path
+(``uses_device_path``) or the host path, and on the host path how the model's logits are
+computed (``_ModuleForward``, or ``_PlannedForward`` for a model that declares
+``PlannedDecode``, model/protocol.py). With a plan, a decode-only step is one call for
+the logits, or for the tokens themselves when every request's token is its logits'
+argmax and nothing else is asked of them (``Sampler.argmax_suffices``).
 
 The runner validates nothing user-facing (the frontend does); it asserts the
 SchedulerOutput invariants cheaply.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,10 +37,15 @@ from nbengine.core.scheduler_output import (
 )
 from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.memory_plan import MemoryPlan, plan_memory
-from nbengine.model.protocol import CausalLM
+from nbengine.model.protocol import CausalLM, PlannedDecode
 from nbengine.model.step_inputs import StagedInputs, StepStager
 from nbengine.model.tokenizer import Tokenizer
-from nbengine.ops.attention import ChunkSpec, StagedAttention, build_attention_metadata
+from nbengine.ops.attention import (
+    AttentionMetadata,
+    ChunkSpec,
+    StagedAttention,
+    build_attention_metadata,
+)
 from nbengine.ops.linear import ONEDNN_MIN_ROWS, pack_linears
 from nbengine.ops.quant import dense_supported
 from nbengine.ops.sampling import Sampler, topk_logprobs
@@ -66,6 +76,69 @@ class _Step:
     plp_targets: list[int] = field(default_factory=list)
     plp_ks: list[int] = field(default_factory=list)
     plp_spans: list[tuple[str, bool, int]] = field(default_factory=list)  # (key, lead None, n)
+
+
+@dataclass(slots=True)
+class _ForwardArgs:
+    """A host step's model inputs, as ``CausalLM.__call__`` takes them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class _ModuleForward:
+    """The host path's generic forward: the model over every row, then its head over the
+    rows that are needed. Serves every ``CausalLM``."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+
+    def greedy_tokens(self, step: _Step, args: _ForwardArgs) -> list[int] | None:
+        """The step's sampled tokens computed without logits; None: sample the logits."""
+        return None
+
+    def logits(self, step: _Step, args: _ForwardArgs) -> torch.Tensor | None:
+        """float32 logits of the sample rows, then the prompt-logprob rows; None when the
+        step has neither (only intermediate prefill chunks)."""
+        hidden = self.model(args.input_ids, args.positions, args.meta, args.kv_caches)
+        rows = step.sample_rows + step.plp_rows
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
+
+
+class _PlannedForward(_ModuleForward):
+    """The host path's forward for a ``PlannedDecode`` model: a decode-only step where
+    every row samples goes to the model's decode plan first (one call for the logits, or
+    for the tokens when their argmax is all the sampler would do); what the plan declines,
+    and every other step, takes the generic forward."""
+
+    def __init__(self, model: CausalLM, planned: PlannedDecode, sampler: Sampler) -> None:
+        super().__init__(model)
+        self.planned = planned  # the same object as ``model``, typed for its capability
+        self.sampler = sampler
+
+    @staticmethod
+    def _decode_only(step: _Step, meta: AttentionMetadata) -> bool:
+        return len(step.sample_rows) == meta.num_decodes == len(step.ids)
+
+    def greedy_tokens(self, step: _Step, args: _ForwardArgs) -> list[int] | None:
+        if not self._decode_only(step, args.meta) or not self.sampler.argmax_suffices(
+            [c.request for c in step.sample_chunks]
+        ):
+            return None
+        return self.planned.decode_greedy(args.input_ids, args.positions, args.meta, args.kv_caches)
+
+    def logits(self, step: _Step, args: _ForwardArgs) -> torch.Tensor | None:
+        if self._decode_only(step, args.meta):
+            logits = self.planned.decode_logits(
+                args.input_ids, args.positions, args.meta, args.kv_caches
+            )
+            if logits is not None:
+                return logits
+        return super().logits(step, args)
 
 
 def uses_device_path(device: str, device_path: bool | None = None) -> bool:
@@ -104,6 +177,8 @@ class ModelRunner:
         self.memory_plan: MemoryPlan = plans[0]
         self.loaded = loaded
         self.model: CausalLM = loaded.model
+        # The most rows of a decode step the model's decode plan may take (None: no limit).
+        plan_max_rows: int | None = None
         if (
             loaded.model is not None
             and loaded.dtype == torch.bfloat16
@@ -116,20 +191,19 @@ class ModelRunner:
             n_packed = pack_linears(loaded.model, config.scheduler.max_num_seqs, twin)
             how = " (with oneDNN twins)" if twin else ""
             logger.info("Packed %d bfloat16 linear layers%s.", n_packed, how)
-            if twin and hasattr(loaded.model, "decode_plan_max_rows"):
+            if twin:
                 # Larger decode steps take the module path, whose products use the twins.
-                loaded.model.decode_plan_max_rows = ONEDNN_MIN_ROWS - 1
+                plan_max_rows = ONEDNN_MIN_ROWS - 1
         elif (
             loaded.model is not None
             and loaded.dtype == torch.bfloat16
             and config.model.quantization is not None
             and not self.device_path
             and dense_supported()
-            and hasattr(loaded.model, "decode_plan_max_rows")
         ):
             # Quantized products of many rows dequantize into oneDNN (ops/quant.py), so
             # larger decode steps take the module path there too.
-            loaded.model.decode_plan_max_rows = ONEDNN_MIN_ROWS - 1
+            plan_max_rows = ONEDNN_MIN_ROWS - 1
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.block_size: int = config.cache.block_size
@@ -156,15 +230,21 @@ class ModelRunner:
             )
             for _ in range(m.num_layers)
         ]
-        if self.device_path and hasattr(m, "decode_plans_enabled"):
-            m.decode_plans_enabled = False  # native decode plans are the CPU default path's
-        # The attention windows of the model's layers (None: full attention).
-        self._windows: tuple[int | None, ...] = tuple(
-            set(getattr(m, "layer_windows", None) or (None,))
-        )
+        # The distinct attention windows of the model's layers (None: full attention).
+        self._windows: tuple[int | None, ...] = tuple(set(m.layer_windows))
         self._stager = StepStager(dev)
         assert config.model.seed is not None, "ModelConfig draws a seed when given none"
         self.sampler = Sampler(config.model.seed, config.model.logprobs_mode)
+        # The execution path, chosen once: each step runs _execute_step, whose forward
+        # (host path) is the model's decode plan where it declares one.
+        self._forward: _ModuleForward = _ModuleForward(m)
+        if isinstance(m, PlannedDecode):
+            # Native decode plans are the CPU default path's; the device path runs torch ops.
+            m.configure_decode_plans(enabled=not self.device_path, max_rows=plan_max_rows)
+            self._forward = _PlannedForward(m, m, self.sampler)
+        self._execute_step: Callable[[_Step, ModelRunnerOutput], ModelRunnerOutput] = (
+            self._execute_on_device if self.device_path else self._execute_on_host
+        )
         logger.info(
             "Loaded %s from %s (%s on %s%s, max_model_len=%d); "
             "KV cache: %d blocks of %d tokens (%.1f MiB).",
@@ -184,36 +264,29 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if batch.is_empty:
             return out
-        step = self._flatten(batch)
-        if self.device_path:
-            return self._execute_on_device(step, out)
+        return self._execute_step(self._flatten(batch), out)
+
+    def _execute_on_host(self, step: _Step, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """One step on the CPU's default path: the forward chosen at construction, then
+        the sampler (unless the forward produced the tokens itself)."""
         meta = build_attention_metadata(step.specs, self.block_size)
-        sample_rows, plp_rows = step.sample_rows, step.plp_rows
+        forward = self._forward
         with torch.inference_mode():
-            input_ids = torch.tensor(step.ids, dtype=torch.int64)
-            input_pos = torch.tensor(step.positions, dtype=torch.int64)
-            logits = None
-            decode_logits = getattr(self.model, "decode_logits", None)
-            decode_greedy = getattr(self.model, "decode_greedy", None)
-            if decode_logits is not None and len(sample_rows) == meta.num_decodes == len(step.ids):
-                # Decode-only and every row samples: the model may do it all in one call,
-                # up to the tokens themselves when their argmax is all the sampler would do.
-                if decode_greedy is not None and self.sampler.argmax_suffices(
-                    [c.request for c in step.sample_chunks]
-                ):
-                    tokens = decode_greedy(input_ids, input_pos, meta, self.kv_caches)
-                    if tokens is not None:
-                        for c, tok in zip(step.sample_chunks, tokens):
-                            out.sampled[c.request.request_id] = SampledToken(tok, None)
-                        return out
-                logits = decode_logits(input_ids, input_pos, meta, self.kv_caches)
-            if logits is None:
-                hidden = self.model(input_ids, input_pos, meta, self.kv_caches)
-                rows = sample_rows + plp_rows
-                if not rows:  # only intermediate prefill chunks: nothing to sample
-                    return out
-                logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
-            n_s = len(sample_rows)
+            args = _ForwardArgs(
+                torch.tensor(step.ids, dtype=torch.int64),
+                torch.tensor(step.positions, dtype=torch.int64),
+                meta,
+                self.kv_caches,
+            )
+            tokens = forward.greedy_tokens(step, args)
+            if tokens is not None:
+                for c, tok in zip(step.sample_chunks, tokens):
+                    out.sampled[c.request.request_id] = SampledToken(tok, None)
+                return out
+            logits = forward.logits(step, args)
+            if logits is None:  # only intermediate prefill chunks: nothing to sample
+                return out
+            n_s = len(step.sample_rows)
             sample_chunks = step.sample_chunks
             tokens, lps = self.sampler(logits[:n_s], [c.request for c in sample_chunks])
             for c, tok, lp in zip(sample_chunks, tokens, lps):
@@ -339,4 +412,5 @@ class ModelRunner:
         """Drop the model and the KV cache tensors."""
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
+        self._forward = None  # type: ignore[assignment]
         self.loaded = None  # type: ignore[assignment]

@@ -23,7 +23,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from starlette.applications import Starlette
@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from nbengine.frontend.handles import RequestHandle
 from nbengine.model.chat_template import NoChatTemplateError
-from nbengine.outputs import RequestOutput
+from nbengine.outputs import CompletionOutput, RequestOutput
 from nbengine.request import EngineDeadError, RequestIdInUseError, RequestStatus
 from nbengine.server import protocol as P
 from nbengine.server.limits import ServerLimits
@@ -364,6 +364,28 @@ async def _await_final(
     return _failure(state, handle, box[-1]) or box[-1]
 
 
+async def _final_response(
+    state: _ServerState,
+    request: Request,
+    handle: RequestHandle,
+    head: dict[str, Any],
+    choice: Callable[[CompletionOutput], dict[str, Any]],
+) -> Response:
+    """A non-streaming route's answer: the final output's choices (each written by the
+    route's ``choice``) and usage; the error when it cannot finish; 499 when the client
+    left first."""
+    final = await _await_final(state, request, handle)
+    if final is None:
+        return Response(status_code=499)
+    if isinstance(final, P.ProtocolError):
+        return _error(final)
+    choices = [choice(c) for c in final.outputs]
+    n_out = sum(len(c.token_ids) for c in final.outputs)
+    return JSONResponse(
+        {**head, "choices": choices, "usage": P.usage(len(final.prompt_token_ids), n_out)}
+    )
+
+
 # ---------------------------------------------------------------------- routes
 
 
@@ -439,27 +461,21 @@ def build_app(
             return _EventStream(
                 state,
                 handle,
-                _completion_events(state, handle, head, tokenizer, req.stream_options),
+                _events(
+                    state, handle, head, _CompletionChunks(head, tokenizer), req.stream_options
+                ),
             )
-        final = await _await_final(state, request, handle)
-        if final is None:
-            return Response(status_code=499)
-        if isinstance(final, P.ProtocolError):
-            return _error(final)
-        choices = [
-            {
+
+        def choice(c: CompletionOutput) -> dict[str, Any]:
+            return {
                 "index": c.index,
                 "text": c.text,
                 "logprobs": P.completion_logprobs(tokenizer, c, 0),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            for c in final.outputs
-        ]
-        n_out = sum(len(c.token_ids) for c in final.outputs)
-        return JSONResponse(
-            {**head, "choices": choices, "usage": P.usage(len(final.prompt_token_ids), n_out)}
-        )
+
+        return await _final_response(state, request, handle, head, choice)
 
     async def chat_completions(request: Request) -> Response:
         try:
@@ -492,37 +508,24 @@ def build_app(
         top_n = req.top_logprobs or 0
         head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": model_name}
         if req.stream:
+            chunk_head = {**head, "object": "chat.completion.chunk"}
+            want_logprobs = handle.sampling_params.logprobs is not None
+            n = handle.sampling_params.n
+            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs)
             return _EventStream(
-                state,
-                handle,
-                _chat_events(
-                    state,
-                    handle,
-                    {**head, "object": "chat.completion.chunk"},
-                    tokenizer,
-                    top_n,
-                    req.stream_options,
-                ),
+                state, handle, _events(state, handle, chunk_head, render, req.stream_options)
             )
-        final = await _await_final(state, request, handle)
-        if final is None:
-            return Response(status_code=499)
-        if isinstance(final, P.ProtocolError):
-            return _error(final)
-        choices = [
-            {
+
+        def choice(c: CompletionOutput) -> dict[str, Any]:
+            return {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": P.chat_logprobs(tokenizer, c, top_n) if req.logprobs else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            for c in final.outputs
-        ]
-        n_out = sum(len(c.token_ids) for c in final.outputs)
-        return JSONResponse(
-            {**head, "choices": choices, "usage": P.usage(len(final.prompt_token_ids), n_out)}
-        )
+
+        return await _final_response(state, request, handle, head, choice)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
@@ -620,82 +623,121 @@ class _Outputs:
         return failure
 
 
-async def _completion_events(
-    state: _ServerState,
-    handle: RequestHandle,
-    head: dict[str, Any],
-    tokenizer: Any,
-    stream_options: P.StreamOptions | None,
-) -> AsyncIterator[str]:
-    n_out = 0
-    offsets: dict[int, int] = {}
-    prefix = _prefix(head)
-    want_logprobs = handle.sampling_params.logprobs is not None
-    async for out in _Outputs(state, handle):
-        if isinstance(out, P.ProtocolError):
-            yield _error_event(out)
-            break
-        if _plain(out, want_logprobs):  # the common chunk: one choice, text only
-            c = out.outputs[0]
-            n_out += len(c.token_ids)
-            if c.text or c.token_ids:
-                yield (
-                    f'data: {prefix}{{"index":{c.index},"text":{_dumps(c.text)},'
-                    '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
-                )
-            continue
-        choices = []
-        for c in out.outputs:
-            n_out += len(c.token_ids)
-            if not c.text and not c.token_ids and c.finish_reason is None:
-                continue
-            lp = P.completion_logprobs(tokenizer, c, offsets.get(c.index, 0))
-            offsets[c.index] = offsets.get(c.index, 0) + len(c.text)
-            choices.append(
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        if choices:
-            yield _sse({**head, "choices": choices})
-        if out.finished and _usage_state(stream_options):
-            yield _sse(
-                {**head, "choices": [], "usage": P.usage(len(handle.prompt_token_ids), n_out)}
-            )
-    yield "data: [DONE]\n\n"
+class _ChunkRenderer(Protocol):
+    """How one streaming route writes its chunks (``_events`` writes the rest: the usage
+    chunk, the error event and ``[DONE]``, the same for every route)."""
+
+    def opening(self) -> list[str]:
+        """The events sent before the first output."""
+        ...
+
+    def plain(self, c: CompletionOutput) -> str | None:
+        """The event of the common chunk (``_plain``), written from a template; None:
+        nothing to send for it."""
+        ...
+
+    def choice(self, c: CompletionOutput) -> dict[str, Any]:
+        """One choice of a chunk written through a dict (logprobs, finish, n > 1)."""
+        ...
 
 
-async def _chat_events(
-    state: _ServerState,
-    handle: RequestHandle,
-    head: dict[str, Any],
-    tokenizer: Any,
-    top_n: int,
-    stream_options: P.StreamOptions | None,
-) -> AsyncIterator[str]:
-    n_out = 0
-    started: set[int] = set()
-    want_logprobs = handle.sampling_params.logprobs is not None
-    prefix = _prefix(head)
-    for i in range(handle.sampling_params.n):  # the role first, as OpenAI sends it
-        started.add(i)
-        yield _sse(
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            }
+class _CompletionChunks:
+    """``/v1/completions`` chunks: ``text`` and its logprobs, offsets counted per choice."""
+
+    def __init__(self, head: dict[str, Any], tokenizer: Any) -> None:
+        self._prefix = _prefix(head)
+        self._tokenizer = tokenizer
+        self._offsets: dict[int, int] = {}  # text already sent, per choice index
+
+    def opening(self) -> list[str]:
+        return []
+
+    def plain(self, c: CompletionOutput) -> str | None:
+        if not c.text and not c.token_ids:
+            return None
+        return (
+            f'data: {self._prefix}{{"index":{c.index},"text":{_dumps(c.text)},'
+            '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
         )
+
+    def choice(self, c: CompletionOutput) -> dict[str, Any]:
+        offset = self._offsets.get(c.index, 0)
+        lp = P.completion_logprobs(self._tokenizer, c, offset)
+        self._offsets[c.index] = offset + len(c.text)
+        return {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+
+class _ChatChunks:
+    """``/v1/chat/completions`` chunks: the assistant role first, then content deltas."""
+
+    def __init__(
+        self, head: dict[str, Any], tokenizer: Any, top_n: int, n: int, want_logprobs: bool
+    ) -> None:
+        self._head = head
+        self._prefix = _prefix(head)
+        self._tokenizer = tokenizer
+        self._top_n = top_n
+        self._n = n
+        self._want_logprobs = want_logprobs
+
+    def opening(self) -> list[str]:
+        # The role first, one chunk per choice, as OpenAI sends it.
+        return [
+            _sse(
+                {
+                    **self._head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+            for i in range(self._n)
+        ]
+
+    def plain(self, c: CompletionOutput) -> str | None:
+        if not c.text:
+            return None
+        return (
+            f'data: {self._prefix}{{"index":{c.index},"delta":{{"content":'
+            f'{_dumps(c.text)}}},"logprobs":null,"finish_reason":null,'
+            '"stop_reason":null}]}\n\n'
+        )
+
+    def choice(self, c: CompletionOutput) -> dict[str, Any]:
+        lp = P.chat_logprobs(self._tokenizer, c, self._top_n) if self._want_logprobs else None
+        return {
+            "index": c.index,
+            "delta": {"content": c.text} if c.text else {},
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+
+async def _events(
+    state: _ServerState,
+    handle: RequestHandle,
+    head: dict[str, Any],
+    render: _ChunkRenderer,
+    stream_options: P.StreamOptions | None,
+) -> AsyncIterator[str]:
+    """A streaming route's server-sent events: ``render``'s opening and chunks, the usage
+    chunk when asked for, an error event where the request cannot finish, ``[DONE]``."""
+    n_out = 0
+    want_logprobs = handle.sampling_params.logprobs is not None
+    for event in render.opening():
+        yield event
     async for out in _Outputs(state, handle):
         if isinstance(out, P.ProtocolError):
             yield _error_event(out)
@@ -703,27 +745,16 @@ async def _chat_events(
         if _plain(out, want_logprobs):  # the common chunk: one choice, text only
             c = out.outputs[0]
             n_out += len(c.token_ids)
-            if c.text:
-                yield (
-                    f'data: {prefix}{{"index":{c.index},"delta":{{"content":'
-                    f'{_dumps(c.text)}}},"logprobs":null,"finish_reason":null,'
-                    '"stop_reason":null}]}\n\n'
-                )
+            chunk = render.plain(c)
+            if chunk is not None:
+                yield chunk
             continue
         choices = []
         for c in out.outputs:
             n_out += len(c.token_ids)
             if not c.text and not c.token_ids and c.finish_reason is None:
                 continue
-            choices.append(
-                {
-                    "index": c.index,
-                    "delta": {"content": c.text} if c.text else {},
-                    "logprobs": P.chat_logprobs(tokenizer, c, top_n) if want_logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+            choices.append(render.choice(c))
         if choices:
             yield _sse({**head, "choices": choices})
         if out.finished and _usage_state(stream_options):

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from nbe_driver import Driver
+from torch import nn
 
 from nbengine.config import EngineConfig
 from nbengine.core.scheduler_output import SchedulerOutput
+from nbengine.model import runner as runner_module
+from nbengine.model.loader import LoadedModel, load_model
+from nbengine.model.protocol import PlannedDecode
 from nbengine.model.runner import ModelRunner, kv_block_bytes
+from nbengine.model.weights import WeightMap
 from nbengine.sampling_params import SamplingParams
 from nbengine.testing import make_tiny_model
 
@@ -107,3 +114,57 @@ def test_steps_with_only_intermediate_chunks_sample_nothing(runner: ModelRunner)
     got = d.generate([prompt], GREEDY, 5)[0]
     assert got == expected
     assert sum(1 for s in d.steps if not any(c.sample for c in s.chunks)) >= 2
+
+
+class _MinimalLM(nn.Module):
+    """A model that is only a ``CausalLM`` (model/protocol.py): an ``nn.Module`` that runs
+    a loaded model's forward and head, with none of its optional capabilities."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.num_layers, self.num_kv_heads = inner.num_layers, inner.num_kv_heads
+        self.head_dim, self.layer_windows = inner.head_dim, inner.layer_windows
+        self.forward_rows: list[int] = []  # rows of each forward call
+
+    def forward(self, input_ids: torch.Tensor, *rest: Any) -> torch.Tensor:
+        """The inner model's hidden states (``rest``: positions, metadata, KV caches)."""
+        self.forward_rows.append(input_ids.shape[0])
+        return self.inner(input_ids, *rest)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)
+
+    def tie_weights(self) -> None:
+        self.inner.tie_weights()
+
+    def hf_weight_map(self) -> WeightMap:
+        return self.inner.hf_weight_map()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_without_a_decode_plan_runs_every_step_through_its_forward(
+    model_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner picks its path from the model's declared capabilities: a plain
+    CausalLM gets every step, decode steps included, through ``__call__`` and
+    ``compute_logits``, and generates what the same weights generate with their plan."""
+    config = EngineConfig.from_kwargs(model_dir, dtype=dtype, block_size=4, num_kv_blocks=64)
+    prompts = [[5, 9, 11, 13, 17], [7, 3]]
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    full = ModelRunner(config)
+    assert isinstance(full.model, PlannedDecode)
+    expected = Driver(full, stop_at_eos=False).generate(prompts, params, 6)
+    full.shutdown()
+
+    def load_minimal(*args: Any, **kwargs: Any) -> LoadedModel:
+        loaded = load_model(*args, **kwargs)
+        return dataclasses.replace(loaded, model=_MinimalLM(loaded.model))
+
+    monkeypatch.setattr(runner_module, "load_model", load_minimal)
+    plain = ModelRunner(config)
+    assert isinstance(plain.model, _MinimalLM) and not isinstance(plain.model, PlannedDecode)
+    d = Driver(plain, stop_at_eos=False)
+    assert d.generate(prompts, params, 6) == expected
+    assert plain.model.forward_rows == [sum(c.num_tokens for c in s.chunks) for s in d.steps]
+    assert plain.model.forward_rows.count(2) >= 5, "the decode steps ran the forward"
