@@ -29,17 +29,17 @@ from nbengine.frontend import lifecycle
 from nbengine.frontend.engine_setup import make_core_client, make_input_processor, resolve_engine
 from nbengine.frontend.handles import RequestHandle
 from nbengine.frontend.loop_bridge import LoopBridge, client_callbacks, reap_engine
-from nbengine.frontend.notebook import NotebookFacade
+from nbengine.frontend.notebook import NotebookFacade, preload_widget_modules
 from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.registry import RequestRegistry
 from nbengine.frontend.request_control import RequestControl
+from nbengine.metrics import MetricsLog
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError
 from nbengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nbengine.core.engine_core import EngineCore, RunnerLike
-    from nbengine.dashboard.monitor import EngineMonitor
 
 __all__ = ["Engine"]
 
@@ -81,12 +81,11 @@ class Engine(NotebookFacade):
         self._eos_token_ids = frozenset(inputs.eos_token_ids)
 
         # Observers of the output processor (docs/architecture.md, "Seams"); the first is
-        # the metrics log and widgets. The UI package is imported here, not at module level.
-        from nbengine.dashboard.monitor import EngineMonitor
-
+        # the metrics log. The UI attaches to it on first use (``monitor``, notebook.py).
         self._observers = ObserverList()
-        self.monitor: EngineMonitor = EngineMonitor(self)
-        self._observers.add(self.monitor)
+        self._metrics = MetricsLog()
+        self._observers.add(self._metrics)
+        preload_widget_modules()  # in a kernel only: the first widget then comes quickly
         # The loop thread's request state; it holds no reference to the engine, so
         # dropping the last user reference frees the engine at once (no reference cycle).
         self._registry = RequestRegistry(
@@ -111,7 +110,7 @@ class Engine(NotebookFacade):
             closed=closed,
             dead_reason=lambda: None if ref() is None else ref()._dead,  # type: ignore[union-attr]
         )
-        self._control = RequestControl(self._bridge, self._registry, self.monitor, self, closed)
+        self._control = RequestControl(self._bridge, self._registry, self, closed)
         self._client.start(*client_callbacks(ref))
         if backend == "inproc":
             self._core_thread: threading.Thread = self._client.thread  # type: ignore[attr-defined]
@@ -355,7 +354,7 @@ class Engine(NotebookFacade):
             lifecycle.forget(self)
             self._finalizer.detach()
             lifecycle.teardown(
-                self._bridge, self._registry, self._client, self._exit_stack, self.monitor, timeout
+                self._bridge, self._registry, self._client, self._exit_stack, self._monitor, timeout
             )
         finally:
             self._shutdown_done.set()

@@ -69,12 +69,13 @@ def teardown(
     registry: RequestRegistry,
     client: CoreClient,
     exit_stack: contextlib.ExitStack,
-    monitor: EngineMonitor,
+    monitor: EngineMonitor | None,
     timeout: float,
 ) -> None:
     """Fail live requests, stop the core client (up to ``timeout``), close the loop and
-    the widgets. Each stage runs even if an earlier one failed; a core still stuck in a
-    model step is named in a ``RuntimeWarning`` (attributed to ``shutdown()``'s caller)."""
+    the widgets (``monitor``: None if none was ever asked for). Each stage runs even if
+    an earlier one failed; a core still stuck in a model step is named in a
+    ``RuntimeWarning`` (attributed to ``shutdown()``'s caller)."""
     reason = "The engine has been shut down."
     if bridge.thread.is_alive():
         try:
@@ -90,6 +91,7 @@ def teardown(
         exit_stack.close()
     except Exception:
         logger.exception("closing the engine loop failed")
-    monitor.shutdown()  # widgets show their final states, the UI updater stops
+    if monitor is not None:  # widgets show their final states, the UI updater stops
+        monitor.shutdown()
     if left is not None:
         warnings.warn(f"nbengine shutdown: {left}.", RuntimeWarning, stacklevel=3)

@@ -29,6 +29,7 @@ from nbengine.request import EngineDeadError
 
 if TYPE_CHECKING:
     from nbengine.dashboard.monitor import EngineMonitor
+    from nbengine.frontend.notebook import NotebookFacade
 
 __all__ = ["RequestControl", "normalise_ids"]
 
@@ -65,13 +66,11 @@ class RequestControl:
         self,
         bridge: LoopBridge,
         registry: RequestRegistry,
-        monitor: EngineMonitor,
-        anchor: object,
+        anchor: NotebookFacade,
         closed: Callable[[], bool],
     ) -> None:
         self._bridge = bridge
         self._registry = registry
-        self._monitor = monitor
         self._anchor = weakref.ref(anchor)
         self._closed = closed
 
@@ -80,7 +79,10 @@ class RequestControl:
     @property
     def monitor(self) -> EngineMonitor:
         """The engine's metrics and widgets (``widget()`` asks it for one)."""
-        return self._monitor
+        engine = self._anchor()
+        if engine is None:
+            raise EngineDeadError("The engine of this request no longer exists.")
+        return engine.monitor
 
     @property
     def anchor(self) -> object:
