@@ -39,7 +39,7 @@ from nbengine.ops.openmp import release_thread_pool
 
 if TYPE_CHECKING:
     from nbengine.config import EngineConfig
-    from nbengine.core.engine_core import EngineCore, RunnerLike
+    from nbengine.core.engine_core import EngineCore, RunnerClass, RunnerLike
 
 __all__ = ["CoreClient", "InprocCoreClient"]
 
@@ -118,7 +118,7 @@ class CoreClient(ABC):
 class InprocCoreClient(CoreClient):
     """One ``EngineCore`` on the ``nbengine-core`` thread of this process, fed by a FIFO queue."""
 
-    def __init__(self, config: EngineConfig, runner: RunnerLike | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: RunnerLike | RunnerClass) -> None:
         from nbengine.core.engine_core import EngineCore
 
         self.core: EngineCore = EngineCore(config, runner)

@@ -74,7 +74,9 @@ def make_core_client(config: EngineConfig, runner: RunnerLike | None = None) -> 
         from nbengine.distributed.ray_client import RayCoreClient
 
         return RayCoreClient(config, **parallel.ray_options())  # type: ignore[arg-type]
-    return InprocCoreClient(config, runner)
+    from nbengine.model.runner import ModelRunner  # the core takes its runner from here
+
+    return InprocCoreClient(config, ModelRunner if runner is None else runner)
 
 
 def make_input_processor(setup: EngineSetup, client: CoreClient) -> InputProcessor:
