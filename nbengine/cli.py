@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+from nbengine.cli_args import CliError, check_model_arg, positive_int
+
 
 def run_generate(
     prompt: str,
@@ -67,26 +69,11 @@ COMMAND_HELP: dict[str, str] = {
 EXIT_USAGE = 2  # a bad argument or value: argparse's own status for usage errors
 
 
-class CliError(Exception):
-    """A value the user gave cannot be used; the message is the whole explanation."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the usage block is in ``--help``)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type`` for a whole number of at least 1 (every command's counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -97,36 +84,6 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
-
-
-def check_model_arg(model: str | None, option: str = "--model") -> str | None:
-    """The model a command was given, checked before anything loads; every command that
-    takes a model (``demo``, ``generate``, ``bench``, ``serve``) resolves it here.
-
-    An existing path must be a model directory (returned expanded); anything else must
-    read as a Hugging Face Hub id ("org/name"), returned as given for ``nb.Engine`` to
-    resolve (the Hub cache, else a download; docs/models.md). None (the shipped default
-    model) stays None. Raises ``CliError`` naming ``option`` otherwise.
-    """
-    if model is None:
-        return None
-    from nbengine.model.hub import is_hub_repo_id
-
-    p = Path(model).expanduser()
-    if not p.exists():
-        if is_hub_repo_id(model):
-            return model
-        raise CliError(
-            f"{option} {model}: no such directory (and not a Hugging Face Hub id such as org/name)"
-        )
-    if not p.is_dir():
-        raise CliError(f"{option} {model}: not a directory (give a Hugging Face model folder)")
-    if not (p / "config.json").is_file():
-        raise CliError(
-            f"{option} {model}: not a model directory (it has no config.json; give a "
-            "Hugging Face model folder with config.json, weights and a tokenizer)"
-        )
-    return str(p)
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,6 +230,43 @@ class SchedulerConfig:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
 
 
+BACKENDS = ("inproc", "ray")
+"""Where the engine cores run: a thread of this process, or Ray actors (docs/scale-out.md)."""
+_RAY_OPTIONS = ("data_parallel_size", "ray_address", "resources_per_replica", "routing")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """Which backend runs the engine cores (vLLM's ``distributed_executor_backend``).
+
+    ``backend`` is "inproc" (one core on a thread of this process) or "ray"
+    (``data_parallel_size`` cores as Ray actors; ``ray_address``,
+    ``resources_per_replica`` and ``routing`` as in docs/scale-out.md). The Ray options are
+    None unless given (the Ray client checks their values and applies its defaults); they
+    apply only to ``backend="ray"``.
+    """
+
+    backend: str = "inproc"
+    data_parallel_size: int | None = None
+    ray_address: str | None = None
+    resources_per_replica: dict[str, object] | None = None
+    routing: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
+        given = sorted(self.ray_options())
+        if self.backend == "inproc" and given:
+            raise TypeError(
+                f"{', '.join(given)} only apply to backend='ray' (got backend='inproc')."
+            )
+
+    def ray_options(self) -> dict[str, object]:
+        """The Ray options that were given, as keyword arguments of the Ray client."""
+        values = {name: getattr(self, name) for name in _RAY_OPTIONS}
+        return {name: value for name, value in values.items() if value is not None}
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs; built from ``Engine(...)``/``LLM(...)`` keyword arguments."""
@@ -237,6 +274,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, model: str | Path | None = None, **kwargs: object) -> EngineConfig:
@@ -244,11 +282,17 @@ class EngineConfig:
 
         Unknown keywords raise ``TypeError`` naming them.
         """
-        parts: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, object]] = {
+            "model": {},
+            "cache": {},
+            "scheduler": {},
+            "parallel": {},
+        }
         owners = {
             "model": ModelConfig.__dataclass_fields__,
             "cache": CacheConfig.__dataclass_fields__,
             "scheduler": SchedulerConfig.__dataclass_fields__,
+            "parallel": ParallelConfig.__dataclass_fields__,
         }
         for key, value in kwargs.items():
             for part, fields_ in owners.items():
@@ -261,4 +305,5 @@ class EngineConfig:
             model=ModelConfig(model=model, **parts["model"]),  # type: ignore[arg-type]
             cache=CacheConfig(**parts["cache"]),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
+            parallel=ParallelConfig(**parts["parallel"]),  # type: ignore[arg-type]
         )

@@ -26,7 +26,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nbengine.frontend.events import LifecycleEvent
 from nbengine.outputs import RequestTimings
 from nbengine.request import RequestStatus
 
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from nbengine.core.messages import StepStats
+    from nbengine.frontend.events import LifecycleEvent
 
 __all__ = [
     "EVENT_COLUMNS",
@@ -327,6 +327,10 @@ class MetricsLog:
             if s is not None:
                 s.replica = replica
                 self._version += 1
+
+    def on_routed(self, key: str, replica: int) -> None:
+        """The observer hook (frontend/observer.py) for ``on_replica``."""
+        self.on_replica(key, replica)
 
     def on_scheduled(self, key: str, when: float) -> None:
         """The core scheduled ``key`` at ``when`` (its own clock reading, before the forward).

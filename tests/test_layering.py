@@ -1,7 +1,8 @@
-"""The architecture's layering, checked on the source (docs/architecture.md).
+"""The architecture's layering, checked on the source (docs/architecture.md, "Layers").
 
-The core side (``nbengine/core``) and the backends (``nbengine/distributed``) never import
-the frontend: the backend contract, ``CoreClient``, lives in ``nbengine/core/client.py``.
+nbengine's packages import each other without cycles, lazy imports counted. The core
+side (``nbengine/core``) and the backends (``nbengine/distributed``) never import the
+frontend: the backend contract, ``CoreClient``, lives in ``nbengine/core/client.py``.
 """
 
 from __future__ import annotations
@@ -166,3 +167,129 @@ def test_the_seam_check_sees_private_access_and_module_level_imports(tmp_path: P
         "frontend/extra.py:1: import nbengine.dashboard.monitor",
         "model.py:2: llm.engine._processor",
     ]
+
+
+# ---------------------------------------------------------------- acyclic packages
+# The units are nbengine's subpackages and its top-level modules ("nbengine" is its
+# __init__). An edge is any import that runs: at module level or inside a function (a
+# lazy import); only `if TYPE_CHECKING:` blocks are left out (they never run). The
+# graph must be acyclic (docs/architecture.md, "Layers"), except for the notebook
+# conveniences named here, which import the UI lazily from the frontend.
+
+ALLOWED_LAZY = {
+    # (module, function, imported unit)
+    ("frontend/notebook.py", "serve", "server"),
+    ("frontend/notebook.py", "chat_ui", "dashboard"),
+    # Engine.dashboard() and plot_timeline() reach the UI through `monitor`, which
+    # creates the engine's EngineMonitor (the UI over its metrics log) on first use.
+    ("frontend/notebook.py", "monitor", "dashboard"),
+    # A handle displays as its widget: `_repr_mimebundle_` and `widget()` import the UI
+    # when a notebook asks for them.
+    ("frontend/handles.py", "_repr_mimebundle_", "dashboard"),
+    ("frontend/handles.py", "widget", "dashboard"),
+}
+
+
+def _unit(rel: Path) -> str:
+    if rel.parts == ("__init__.py",):
+        return "nbengine"
+    return rel.parts[0].removesuffix(".py")
+
+
+def _target_unit(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "nbengine":
+        return None
+    return "nbengine" if len(parts) == 1 else parts[1]
+
+
+def _runtime_imports(tree: ast.Module) -> list[tuple[ast.AST, str, str]]:
+    """``(node, enclosing function or "", module)`` of every import that can run."""
+    found: list[tuple[ast.AST, str, str]] = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for other in node.orelse:
+                visit(other, func)
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            func = func or node.name  # a method's lazy import counts for the method
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "nbengine":  # `from nbengine import x`: x's unit
+                found.extend((node, func, f"nbengine.{a.name}") for a in node.names)
+            else:
+                found.append((node, func, node.module))
+        elif isinstance(node, ast.Import):
+            found.extend((node, func, a.name) for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(tree, "")
+    return found
+
+
+def package_edges(package: Path) -> dict[tuple[str, str], list[str]]:
+    """``(unit, imported unit) -> ["module:line", ...]`` over every runtime import,
+    less ``ALLOWED_LAZY``."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        src = _unit(rel)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node, func, module in _runtime_imports(tree):
+            dst = _target_unit(module)
+            if dst is None or dst == src:
+                continue
+            if dst != "nbengine" and not (
+                (package / dst).is_dir() or (package / f"{dst}.py").is_file()
+            ):
+                dst = "nbengine"  # `from nbengine import Engine`: the package's facade
+            if (rel.as_posix(), func, dst) in ALLOWED_LAZY:
+                continue
+            edges.setdefault((src, dst), []).append(f"{rel.as_posix()}:{node.lineno}")
+    return edges
+
+
+def cycle_edges(package: Path) -> dict[tuple[str, str], list[str]]:
+    """The edges that lie on a cycle (both ends in one strongly connected component)."""
+    edges = package_edges(package)
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    reachable = {unit: reach(unit) for unit in graph}
+    return {(a, b): locs for (a, b), locs in edges.items() if a in reachable[b]}
+
+
+def test_the_package_graph_is_acyclic() -> None:
+    found = {f"{a} -> {b}: {', '.join(locs)}" for (a, b), locs in cycle_edges(PACKAGE).items()}
+    assert sorted(found) == []
+
+
+def test_the_cycle_check_sees_lazy_imports(tmp_path: Path) -> None:
+    """Not vacuous: a function-level import that closes a cycle is found; a
+    TYPE_CHECKING-only import and an allowed notebook convenience are not edges."""
+    pkg = tmp_path / "nbengine"
+    for sub in ("core", "model", "frontend", "server"):
+        (pkg / sub).mkdir(parents=True)
+    (pkg / "core" / "a.py").write_text("def f():\n    from nbengine.model.b import g\n")
+    (pkg / "model" / "b.py").write_text("from nbengine.core.a import f\n")
+    (pkg / "frontend" / "notebook.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nbengine.server import S\n"
+        "def serve():\n    from nbengine.server import serve\n"
+    )
+    (pkg / "server" / "s.py").write_text("from nbengine.frontend.notebook import serve\n")
+    assert cycle_edges(pkg) == {
+        ("core", "model"): ["core/a.py:2"],
+        ("model", "core"): ["model/b.py:1"],
+    }

@@ -23,7 +23,7 @@ def add_bench_parser(
 ) -> None:
     """Add the ``bench`` subcommand to ``sub`` (argparse subparsers); ``help_text`` is its
     line in ``nbengine --help``."""
-    from nbengine.cli import positive_int
+    from nbengine.cli_args import positive_int
 
     bench = sub.add_parser(
         "bench",
@@ -106,7 +106,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
 
     from nbengine.bench import BenchConfig, format_report, run_bench
     from nbengine.bench.config import peer_engines
-    from nbengine.cli import check_model_arg
+    from nbengine.cli_args import check_model_arg
 
     engines = bench_engines(args)
     skipped: dict[str, str] = {}

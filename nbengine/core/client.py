@@ -19,7 +19,8 @@ Contract every client keeps (docs/lifecycle.md and docs/scale-out.md; across any
 
 Two implementations: ``InprocCoreClient`` here (one ``nbengine-core`` thread and its
 FIFO queue, the default), and ``nbengine.distributed.RayCoreClient`` (engine cores as
-Ray actors), which is imported only when ``backend="ray"`` is asked for.
+Ray actors). The frontend picks one from ``config.parallel`` (frontend/engine_setup.py),
+so the core side never imports a backend.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from nbengine.ops.openmp import release_thread_pool
 
 if TYPE_CHECKING:
     from nbengine.config import EngineConfig
-    from nbengine.core.engine_core import EngineCore, RunnerLike
+    from nbengine.core.engine_core import EngineCore, RunnerClass, RunnerLike
 
-__all__ = ["BACKENDS", "CoreClient", "InprocCoreClient", "make_core_client"]
+__all__ = ["CoreClient", "InprocCoreClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ EmitFn = Callable[[EngineCoreOutputs], None]
 ExitFn = Callable[[str | None], None]
 FailKeysFn = Callable[[set[str], str], None]
 RoutedFn = Callable[[str, int], None]
-
-BACKENDS = ("inproc", "ray")
 
 
 class CoreClient(ABC):
@@ -119,7 +118,7 @@ class CoreClient(ABC):
 class InprocCoreClient(CoreClient):
     """One ``EngineCore`` on the ``nbengine-core`` thread of this process, fed by a FIFO queue."""
 
-    def __init__(self, config: EngineConfig, runner: RunnerLike | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: RunnerLike | RunnerClass) -> None:
         from nbengine.core.engine_core import EngineCore
 
         self.core: EngineCore = EngineCore(config, runner)
@@ -229,27 +228,3 @@ def _core_thread_main(
             on_exit(error)
         finally:
             on_thread_exit()
-
-
-def make_core_client(
-    backend: str,
-    config: EngineConfig,
-    runner: RunnerLike | None,
-    options: dict[str, Any],
-) -> CoreClient:
-    """The client for ``backend`` ("inproc" or "ray"); ``options`` are backend arguments."""
-    if backend == "inproc":
-        if options:
-            raise TypeError(
-                f"{', '.join(sorted(options))} only apply to backend='ray' (got backend='inproc')."
-            )
-        return InprocCoreClient(config, runner)
-    if backend == "ray":
-        if runner is not None:
-            raise ValueError(
-                "backend='ray' builds its runners in the replicas; _runner is inproc only."
-            )
-        from nbengine.distributed.ray_client import RayCoreClient
-
-        return RayCoreClient(config, **options)
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")

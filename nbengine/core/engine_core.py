@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -56,6 +56,10 @@ class RunnerLike(Protocol):
     def shutdown(self) -> None: ...
 
 
+RunnerClass = Callable[[EngineConfig], RunnerLike]
+"""A runner class (e.g. ``nbengine.model.runner.ModelRunner``), built with the config."""
+
+
 class EngineCore:
     """Scheduler + KV cache + model runner, stepped one batch at a time.
 
@@ -64,21 +68,25 @@ class EngineCore:
     only through the input queue).
     """
 
-    def __init__(self, config: EngineConfig, runner: RunnerLike | None = None) -> None:
-        if runner is None:
-            from nbengine.model.runner import ModelRunner
-
-            runner = ModelRunner(config)
+    def __init__(self, config: EngineConfig, runner: RunnerLike | RunnerClass) -> None:
+        # The runner is injected from above, as vLLM's EngineCore takes its executor
+        # class: the model package builds on the core, never the other way round
+        # (docs/architecture.md, "Layers").
+        built = runner(config) if isinstance(runner, type) else runner
         self.config = config
-        self.runner: RunnerLike = runner
-        max_model_len = runner.max_model_len
+        self.runner: RunnerLike = cast(RunnerLike, built)
+        max_model_len = self.runner.max_model_len
         if config.model.max_model_len is not None:
             max_model_len = min(max_model_len, config.model.max_model_len)
         self.max_model_len = max_model_len
         # Runners of models whose every layer is windowed name the window (model/runner.py).
-        window = getattr(runner, "kv_sliding_window", None)
+        window = getattr(self.runner, "kv_sliding_window", None)
         self.scheduler = Scheduler(
-            config, runner.num_kv_blocks, runner.block_size, max_model_len, sliding_window=window
+            config,
+            self.runner.num_kv_blocks,
+            self.runner.block_size,
+            max_model_len,
+            sliding_window=window,
         )
         self.step_count = 0
         self._pending_msgs: deque[EngineCoreMessage] = deque()

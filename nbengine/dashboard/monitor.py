@@ -1,7 +1,9 @@
-"""``EngineMonitor``: the engine's metrics log and UI, an ``EngineObserver``.
+"""``EngineMonitor``: the engine's UI over its metrics log.
 
-The engine owns one monitor and registers it as an observer (nbengine/frontend/observer.py),
-so the output processor calls, on the loop thread: ``on_request`` when an
+The engine owns its ``MetricsLog`` as its first observer (nbengine/frontend/observer.py)
+and creates its monitor when a widget is first asked for (``engine.monitor``). The
+monitor's hooks forward to a metrics log, so it can also observe an engine itself
+(``add_observer``), as it did before the engine owned the log: ``on_request`` when an
 incarnation is registered, ``on_event(ev)`` for every lifecycle transition,
 ``on_scheduled`` with the core's schedule time of a running request,
 ``on_tokens`` when a request has new tokens, ``on_step(stats)`` for every step and
@@ -15,11 +17,11 @@ widget or figure is first asked for.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from nbengine.frontend.notebook import in_kernel, preload_widget_modules
 from nbengine.metrics import MetricsLog
 
 if TYPE_CHECKING:
@@ -33,50 +35,9 @@ if TYPE_CHECKING:
     from nbengine.frontend.events import LifecycleEvent
     from nbengine.frontend.handles import RequestHandle
 
-__all__ = ["EngineMonitor"]
+__all__ = ["EngineMonitor", "in_kernel"]
 
 logger = logging.getLogger(__name__)
-
-_preload_started = False
-
-
-def in_kernel() -> bool:
-    """True inside a Jupyter kernel (where widgets can render), not merely with ipykernel
-    imported."""
-    if "IPython" not in sys.modules:  # never import IPython just to ask
-        return False
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
-def _preload_widget_modules() -> None:
-    """In a Jupyter kernel, import the widget modules on a background thread, once.
-
-    The first ``plotly`` FigureWidget import takes seconds (plotly.io pulls in nbformat
-    and jsonschema); doing it while the engine starts keeps ``engine.dashboard()`` quick.
-    Outside a kernel (scripts, tests) nothing happens.
-    """
-    global _preload_started
-    if _preload_started or not in_kernel():
-        return
-    _preload_started = True
-    # pandas is imported here, on the caller's thread, before the preload thread starts:
-    # plotly imports it too, and a first import of pandas racing between that thread and
-    # the notebook's (engine.events()) can leave one of them a partially initialised module.
-    import pandas  # noqa: F401
-
-    def preload() -> None:
-        try:
-            import ipywidgets  # noqa: F401
-            import plotly.graph_objects as go
-
-            go.FigureWidget  # noqa: B018 - resolves the lazy FigureWidget import
-        except Exception:  # missing optional parts show up when a widget is asked for
-            logger.debug("widget module preload failed", exc_info=True)
-
-    threading.Thread(target=preload, name="nbengine-preload", daemon=True).start()
 
 
 class EngineMonitor:
@@ -89,7 +50,7 @@ class EngineMonitor:
         self._updater: UIUpdater | None = None
         self._dashboard: Dashboard | None = None
         self._closed = False
-        _preload_widget_modules()
+        preload_widget_modules()
 
     @property
     def engine(self) -> Engine:

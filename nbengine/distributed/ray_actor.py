@@ -46,9 +46,10 @@ class ReplicaWorker:
 
     def __init__(self, config: EngineConfig, replica: int) -> None:
         from nbengine.core.engine_core import EngineCore
+        from nbengine.model.runner import ModelRunner
 
         self.replica = replica
-        self._core = EngineCore(config)
+        self._core = EngineCore(config, ModelRunner)
         self._queue: queue.Queue[EngineCoreMessage] = queue.Queue()
         self._cond = threading.Condition()
         self._batches: list[EngineCoreOutputs] = []

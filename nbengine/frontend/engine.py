@@ -14,64 +14,39 @@ Threads:
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import logging
 import queue
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nbengine.config import EngineConfig
-from nbengine.core.client import CoreClient, make_core_client
-from nbengine.core.messages import EngineCoreMessage, EngineCoreOutputs
+from nbengine.core.client import CoreClient
+from nbengine.core.messages import EngineCoreMessage
+from nbengine.frontend import lifecycle
+from nbengine.frontend.engine_setup import make_core_client, make_input_processor, resolve_engine
 from nbengine.frontend.handles import RequestHandle
-from nbengine.frontend.input_processor import InputProcessor, PreparedRequest
 from nbengine.frontend.loop_bridge import LoopBridge, client_callbacks, reap_engine
+from nbengine.frontend.notebook import NotebookFacade, preload_widget_modules
 from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.registry import RequestRegistry
+from nbengine.frontend.request_control import RequestControl
+from nbengine.metrics import MetricsLog
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError
 from nbengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import pandas as pd
-    import plotly.graph_objects as go
-
     from nbengine.core.engine_core import EngineCore, RunnerLike
-    from nbengine.dashboard.chat_panel import ChatPanel
-    from nbengine.dashboard.dashboard import Dashboard
-    from nbengine.dashboard.monitor import EngineMonitor
-    from nbengine.server import Server
 
 __all__ = ["Engine"]
 
-logger = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
-_SHUTDOWN_GRACE_S = 5.0  # a second shutdown() waits this much longer than the first may take
 
-_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-def _shutdown_all_engines() -> None:
-    for engine in list(_live_engines):
-        try:
-            engine.shutdown(timeout=5.0)
-        except Exception:
-            logger.exception("engine shutdown at exit failed")
-
-
-atexit.register(_shutdown_all_engines)
-
-
-class Engine:
+class Engine(NotebookFacade):
     """An LLM engine running on background threads of this process.
 
     ``Engine(model=None, **kwargs)``: ``model`` is a Hugging Face-format directory (None:
@@ -92,64 +67,25 @@ class Engine:
     def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
         runner: RunnerLike | None = kwargs.pop("_runner", None)  # test hook
         tokenizer = kwargs.pop("_tokenizer", None)  # test hook
-        backend = kwargs.pop("backend", "inproc")
-        backend_options: dict[str, Any] = {
-            k: kwargs.pop(k)
-            for k in ("data_parallel_size", "ray_address", "resources_per_replica", "routing")
-            if k in kwargs
-        }
-        self.config = EngineConfig.from_kwargs(model, **kwargs)
-
-        from nbengine.model.generation_defaults import default_sampling_params
-        from nbengine.model.loader import resolve_model_dir
-
-        # The model directory (None only for a test's injected tokenizer and default model).
-        model_dir: Path | None = None
-        if tokenizer is None or model is not None:
-            model_dir = resolve_model_dir(model, self.config.model.revision)
-        if tokenizer is None:
-            from nbengine.model.tokenizer import Tokenizer
-
-            assert model_dir is not None
-            tokenizer = Tokenizer.from_dir(model_dir)
-        self.tokenizer = tokenizer
-        self._model_dir = model_dir
-        if self.config.model.dtype == "auto" and model_dir is not None:
-            # Resolved once, here, so the config (and every replica) names the real dtype.
-            from nbengine.model.loader import auto_dtype, read_hf_config
-
-            hf_config = read_hf_config(model_dir)
-            self.config.model.dtype = auto_dtype(hf_config, self.config.model.device)
-        self.backend = backend
-        self._client: CoreClient = make_core_client(backend, self.config, runner, backend_options)
+        setup = resolve_engine(model, kwargs, tokenizer)
+        self.config = setup.config
+        self.tokenizer = tokenizer = setup.tokenizer
+        self._model_dir = setup.model_dir
+        self.backend = backend = self.config.parallel.backend
+        self._client: CoreClient = make_core_client(self.config, runner)
         if backend == "inproc":  # in-process internals that tests reach into
             self._core: EngineCore = self._client.core  # type: ignore[attr-defined]
             self._core_queue: queue.Queue[EngineCoreMessage] = self._client.queue  # type: ignore[attr-defined]
-        self._vocab_size = int(self._client.vocab_size)
-        self._max_model_len = int(self._client.max_model_len)
-        self._eos_token_ids = frozenset(self._client.eos_token_ids) | frozenset(
-            getattr(tokenizer, "eos_token_ids", ())
-        )
-        self._inputs = InputProcessor(
-            tokenizer,
-            self._vocab_size,
-            self._max_model_len,
-            default_sampling_params(model_dir),
-            self._eos_token_ids,
-            self.config.model.max_logprobs,
-            kv_pool=self._client.kv_pool,
-            max_prefill_tokens=None
-            if self.config.scheduler.enable_chunked_prefill
-            else self.config.scheduler.max_num_batched_tokens,
-        )
+        self._inputs = inputs = make_input_processor(setup, self._client)
+        self._vocab_size, self._max_model_len = inputs.vocab_size, inputs.max_model_len
+        self._eos_token_ids = frozenset(inputs.eos_token_ids)
 
         # Observers of the output processor (docs/architecture.md, "Seams"); the first is
-        # the metrics log and widgets. The UI package is imported here, not at module level.
-        from nbengine.dashboard.monitor import EngineMonitor
-
+        # the metrics log. The UI attaches to it on first use (``monitor``, notebook.py).
         self._observers = ObserverList()
-        self.monitor: EngineMonitor = EngineMonitor(self)
-        self._observers.add(self.monitor)
+        self._metrics = MetricsLog()
+        self._observers.add(self._metrics)
+        preload_widget_modules()  # in a kernel only: the first widget then comes quickly
         # The loop thread's request state; it holds no reference to the engine, so
         # dropping the last user reference frees the engine at once (no reference cycle).
         self._registry = RequestRegistry(
@@ -165,25 +101,23 @@ class Engine:
         self._shutdown_done = threading.Event()
         ref = weakref.ref(self)
 
-        self._exit_stack = contextlib.ExitStack()
-        try:
-            self._bridge = LoopBridge(
-                self._client,
-                self._exit_stack,
-                closed=lambda: ref() is None or ref()._closed,  # type: ignore[union-attr]
-                dead_reason=lambda: None if ref() is None else ref()._dead,  # type: ignore[union-attr]
-            )
-        except BaseException:
-            self._exit_stack.close()
-            self._client.shutdown(10.0)
-            raise
+        def closed() -> bool:
+            engine = ref()
+            return engine is None or engine._closed
+
+        self._bridge, self._exit_stack = LoopBridge.start(
+            self._client,
+            closed=closed,
+            dead_reason=lambda: None if ref() is None else ref()._dead,  # type: ignore[union-attr]
+        )
+        self._control = RequestControl(self._bridge, self._registry, self, closed)
         self._client.start(*client_callbacks(ref))
         if backend == "inproc":
             self._core_thread: threading.Thread = self._client.thread  # type: ignore[attr-defined]
-        _live_engines.add(self)
+        lifecycle.track(self)
         # Unreferenced without shutdown() (a re-executed cell): stop the threads anyway.
         self._finalizer = weakref.finalize(self, reap_engine, self._client, self._exit_stack)
-        self._finalizer.atexit = False  # at exit, _shutdown_all_engines does it
+        self._finalizer.atexit = False  # at exit, lifecycle shuts it down instead
 
     # -------------------------------------------------------------- observers
 
@@ -197,17 +131,7 @@ class Engine:
         """Stop notifying ``observer``; ValueError if it was not added."""
         self._observers.remove(observer)
 
-    def _on_routed(self, key: str, replica: int) -> None:
-        """Called on the loop thread when a multi-replica backend places ``key``."""
-        observers = getattr(self, "_observers", None)
-        if observers is not None:
-            observers.on_routed(key, replica)
-
-    # ------------------------------------------------------------ core thread
-
-    def _emit(self, outputs: EngineCoreOutputs) -> None:
-        """Core thread: hand a batch to the loop without blocking."""
-        self._bridge.call_soon(self._registry.process, outputs)
+    # ---------------------------------------------- the loop, the core and their health
 
     @property
     def _dead(self) -> str | None:
@@ -220,60 +144,12 @@ class Engine:
             return
         self._registry.die(f"The engine core stopped: {error or 'its loop exited'}")
 
-    def _fail_keys(self, keys: set[str], message: str) -> None:
-        """Loop thread: one replica is lost; fail only the requests it held."""
-        self._registry.fail_keys(keys, message)
-
-    # ----------------------------------------------------------- caller threads
-
-    def _submit(self, prep: PreparedRequest) -> RequestHandle:
-        """Register ``prep`` on the loop and return its handle, atomically for the caller.
-
-        A ``KeyboardInterrupt`` (or any exception) that reaches the caller while it waits
-        for the loop leaves nothing behind: if the request got registered, it is aborted
-        and the core's confirmation awaited before the exception propagates, so its id is
-        free again (docs/lifecycle.md, "Interrupts"). Interrupts that arrive during that
-        clean-up are held back and the first one is re-raised after it.
-        """
-        try:
-            return self._bridge.call(self._registry.register, prep, self)
-        except BaseException:
-            if threading.current_thread() is self._bridge.thread:
-                raise
-            self._withdraw(prep)
-            raise
-
-    def _withdraw(self, prep: PreparedRequest) -> None:
-        """Undo a registration whose caller was interrupted (see ``_submit``)."""
-        deferred: BaseException | None = None
-        fut: Future[RequestOutput] | None = None
-        asked = False
-        while True:
-            try:
-                if not asked:
-                    # Runs on the loop after the registration call (the portal is FIFO);
-                    # idempotent, so an interrupt before `asked` is set just repeats it.
-                    fut = self._bridge.call(self._registry.withdraw, prep)
-                    asked = True
-                if fut is not None:
-                    self._bridge.wait_future(fut, None, f"withdrawal of {prep.request_id!r}")
-                break
-            except (KeyboardInterrupt, SystemExit) as exc:
-                deferred = deferred or exc  # finish the clean-up first
-            except Exception:  # the engine died: nothing is left registered
-                logger.debug("withdrawing an interrupted request failed", exc_info=True)
-                break
-        if deferred is not None:
-            raise deferred
-
     def _run_on_core(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         """Run ``fn(core)`` on the core thread between steps (a UTILITY message).
 
         With ``backend="ray"`` it runs in replica 0's actor (``fn`` must pickle).
         """
         return self._client.run_utility(fn)
-
-    # ------------------------------------- RequestHandle's owner (handles.HandleOwner)
 
     def on_engine_thread(self) -> bool:
         """True on one of this engine's own threads, where nothing may block."""
@@ -306,7 +182,7 @@ class Engine:
         if not self._client.is_alive():  # died without its failure reaching the loop
             raise EngineDeadError("The engine core thread is gone.")
         prep = self._inputs.prepare(prompt, sampling_params, request_id, priority)
-        return self._submit(prep)
+        return self._control.submit(prep)
 
     def generate_many(
         self,
@@ -325,19 +201,7 @@ class Engine:
                 f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts."
             )
         prepared = [self._inputs.prepare(p, sp, None, 0) for p, sp in zip(prompts, sampling_params)]
-        handles: list[RequestHandle] = []
-        try:
-            for prep in prepared:
-                handles.append(self._submit(prep))
-        except BaseException:
-            for h in handles:
-                if not h.done():
-                    try:
-                        h.cancel()
-                    except Exception:
-                        pass
-            raise
-        return handles
+        return self._control.submit_all(prepared)
 
     def chat(
         self,
@@ -377,44 +241,6 @@ class Engine:
             tools=tools,
         )
 
-    def serve(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 8000,
-        api_key: str | None = None,
-        **kwargs: Any,
-    ) -> Server:
-        """Start an OpenAI-compatible HTTP server on this engine; return it once it listens.
-
-        ``server.url`` is the API's base URL, ``server.stop()`` (or ``with``) stops it.
-        Binding a non-loopback ``host`` requires ``api_key``. Needs the ``serve`` extra.
-        Keyword options (``model_name``, ``max_request_bytes``, ``max_tokens``): see
-        docs/serving.md.
-        """
-        from nbengine.server import serve
-
-        return serve(self, host, port, api_key, **kwargs)
-
-    def chat_ui(self, **kwargs: Any) -> ChatPanel:
-        """A chat panel widget on this engine: messages, Send, Stop, Regenerate, a system
-        prompt, temperature and max-tokens; ``panel.messages`` is the conversation."""
-        from nbengine.dashboard.chat_panel import ChatPanel
-
-        return ChatPanel(self, **kwargs)
-
-    def _normalise_ids(self, request_ids: str | Iterable[str]) -> tuple[list[str], bool]:
-        if isinstance(request_ids, str):
-            return [request_ids], True
-        if not isinstance(request_ids, Iterable):
-            raise TypeError(
-                f"request ids must be a string or an iterable of strings, got {request_ids!r}."
-            )
-        ids = list(request_ids)
-        for rid in ids:
-            if not isinstance(rid, str):
-                raise TypeError(f"request ids must be strings, got {rid!r}.")
-        return ids, False
-
     def abort(
         self, request_ids: str | Iterable[str], timeout: float | None = None
     ) -> RequestOutput | list[RequestOutput | None] | None:
@@ -424,34 +250,14 @@ class Engine:
         list of ids; None for ids that are unknown or already finished. Idempotent.
         TimeoutError if ``timeout`` passes first (the abort still completes later).
         """
-        ids, single = self._normalise_ids(request_ids)
-        try:
-            futures = self._bridge.call(self._registry.start_aborts, ids)
-        except EngineDeadError:
-            return None if single else [None] * len(ids)
-        if self.on_engine_thread():
-            # Called from the loop itself (a hook): waiting would deadlock; report what is known.
-            done = [f.result() if f is not None and f.done() else None for f in futures]
-            return done[0] if single else done
-        deadline = None if timeout is None else time.monotonic() + timeout
-        results = [
-            None if f is None else self._bridge.wait_future(f, deadline, f"abort of {rid!r}")
-            for rid, f in zip(ids, futures)
-        ]
-        return results[0] if single else results
+        return self._control.abort(request_ids, timeout)
 
     async def abort_async(
         self, request_ids: str | Iterable[str]
     ) -> RequestOutput | list[RequestOutput | None] | None:
         """``abort()`` for asyncio and trio callers: awaits the core's confirmation (a
         cancellation meanwhile propagates once the aborts are confirmed, docs/lifecycle.md)."""
-        ids, single = self._normalise_ids(request_ids)
-        try:
-            futures = self._bridge.call(self._registry.start_aborts, ids)
-        except EngineDeadError:
-            return None if single else [None] * len(ids)
-        results = await self._bridge.await_all(futures)
-        return results[0] if single else results
+        return await self._control.abort_async(request_ids)
 
     def abort_nowait(self, request_id: str, key: str | None = None) -> None:
         """Schedule an abort of ``request_id`` on the loop and return at once (widget
@@ -460,50 +266,11 @@ class Engine:
         With ``key`` (an incarnation's internal key, as in ``events()``) only that
         incarnation is aborted: a newer request reusing the id is left alone.
         """
-        if not self.is_alive:
-            return
-
-        self._bridge.call_soon(self._registry.abort_where, request_id, key)
+        self._control.abort_nowait(request_id, key)
 
     def abort_all_nowait(self) -> None:
         """Schedule an abort of every live request on the loop and return at once."""
-        if not self.is_alive:
-            return
-
-        self._bridge.call_soon(self._registry.abort_all)
-
-    def _abort_future(self, handle: RequestHandle) -> Future[RequestOutput] | None:
-        """Start aborting ``handle``'s request on the loop; None if there is nothing to
-        wait for (its final output is in, or the engine is dead)."""
-        if handle._final is not None:
-            return None
-        try:
-            return self._bridge.call(self._registry.start_abort_handle, handle)
-        except EngineDeadError:
-            return None
-
-    def abort_handle(self, handle: RequestHandle, timeout: float | None) -> RequestOutput | None:
-        """``handle.cancel()``: abort its incarnation, wait for the confirmation."""
-        if handle._final is None and self.on_engine_thread():
-            self.abort_handle_nowait(handle)  # never block the engine's own threads
-            return handle._final
-        fut = self._abort_future(handle)
-        if fut is not None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            return self._bridge.wait_future(fut, deadline, f"cancel of {handle.request_id!r}")
-        return handle._final
-
-    def abort_handle_nowait(self, handle: RequestHandle) -> None:
-        """``handle.cancel(wait=False)``: schedule the abort, return at once."""
-        if handle._final is None and not self._closed:
-            self._bridge.call_soon(self._registry.start_abort_handle, handle)
-
-    async def abort_handle_async(self, handle: RequestHandle) -> RequestOutput | None:
-        """``await handle.cancel_async()``."""
-        fut = self._abort_future(handle)
-        if fut is not None:
-            return await self._bridge.await_future(fut)
-        return handle._final
+        self._control.abort_all_nowait()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate(prompt)`` without params runs with: ``SamplingParams()`` with the
@@ -531,32 +298,6 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         fut = self._run_on_core(EngineCore.reset_prefix_cache)
         return bool(self._bridge.wait_future(fut, deadline, "prefix-cache reset"))
-
-    # ------------------------------------------------- metrics and widgets (any thread)
-
-    def events(self) -> pd.DataFrame:
-        """One row per lifecycle transition: request_id, key, from_status, to_status,
-        time, elapsed, wall_time, num_output_tokens, step (``nbengine.metrics``)."""
-        return self.monitor.metrics.events()
-
-    def request_stats(self) -> pd.DataFrame:
-        """One row per request incarnation: status, finish_reason, prompt/output tokens,
-        queue_time, ttft, itl_mean, itl_p99, e2e_time, preemptions, num_cached_tokens."""
-        return self.monitor.metrics.request_stats()
-
-    def step_stats(self) -> pd.DataFrame:
-        """One row per engine step: batch size, prefill/decode tokens, KV blocks used and
-        total, step_time, running, waiting, preemptions, prefix-cache hit rate."""
-        return self.monitor.metrics.step_stats()
-
-    def dashboard(self) -> Dashboard:
-        """The live dashboard widget: requests and their statuses with Cancel buttons,
-        "Cancel all", KV cache usage, throughput and running/waiting charts."""
-        return self.monitor.dashboard()
-
-    def plot_timeline(self, **kwargs: Any) -> go.Figure:
-        """A static plotly Gantt chart of every request's statuses over time."""
-        return self.monitor.plot_timeline(**kwargs)
 
     @property
     def loop_running(self) -> bool:
@@ -591,7 +332,7 @@ class Engine:
     @property
     def is_alive(self) -> bool:
         """False once the engine failed or was shut down."""
-        return self._dead is None and not self._closed
+        return self._control.is_alive
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop both threads, fail live requests (EngineDeadError), free the model.
@@ -606,40 +347,17 @@ class Engine:
             first = not self._closed
             self._closed = True
         if not first:
-            if not self.on_engine_thread() and not self._shutdown_done.wait(
-                timeout + _SHUTDOWN_GRACE_S
-            ):
-                raise TimeoutError(
-                    f"The engine's shutdown, started by another caller, did not complete "
-                    f"within {timeout + _SHUTDOWN_GRACE_S:g} s."
-                )
+            if not self._bridge.on_engine_thread():
+                lifecycle.wait_for_shutdown(self._shutdown_done, timeout)
             return
         try:
-            self._shutdown(timeout)
+            lifecycle.forget(self)
+            self._finalizer.detach()
+            lifecycle.teardown(
+                self._bridge, self._registry, self._client, self._exit_stack, self._monitor, timeout
+            )
         finally:
             self._shutdown_done.set()
-
-    def _shutdown(self, timeout: float) -> None:
-        _live_engines.discard(self)
-        self._finalizer.detach()
-        reason = "The engine has been shut down."
-        if self._bridge.thread.is_alive():
-            try:
-                self._bridge.portal.call(self._registry.shut_down, reason)
-            except Exception:
-                logger.exception("failing live requests at shutdown failed")
-        left: str | None = None
-        try:
-            left = self._client.shutdown(timeout)
-        except Exception:
-            logger.exception("engine core shutdown failed")
-        try:
-            self._exit_stack.close()
-        except Exception:
-            logger.exception("closing the engine loop failed")
-        self.monitor.shutdown()  # widgets show their final states, the UI updater stops
-        if left is not None:
-            warnings.warn(f"nbengine shutdown: {left}.", RuntimeWarning, stacklevel=3)
 
     def replicas(self) -> list[dict[str, Any]]:
         """Health of each engine core: one dict per replica (``alive``, ``unfinished``, ...)."""

@@ -75,7 +75,7 @@ def merge_outputs(pending: RequestOutput, new: RequestOutput, kind: RequestOutpu
 
 
 class HandleOwner(Protocol):
-    """What a handle needs from the engine that made it (``Engine`` is one).
+    """What a handle needs from the engine that made it (its ``RequestControl``).
 
     Everything else reaches the handle from the loop thread: the output processor
     writes its state and calls ``_deliver``.
@@ -84,6 +84,11 @@ class HandleOwner(Protocol):
     @property
     def monitor(self) -> EngineMonitor:
         """The engine's metrics and widgets (``widget()`` asks it for one)."""
+        ...
+
+    @property
+    def anchor(self) -> object:
+        """The engine itself, which a live handle keeps alive (docs/reliability.md)."""
         ...
 
     def check_health(self) -> None:
@@ -136,6 +141,7 @@ class RequestHandle:
         # would keep a re-created engine's predecessor, its threads and model with it.
         # So the strong reference is dropped when the final output arrives.
         self._engine_strong: HandleOwner | None = engine
+        self._anchor: object = engine.anchor if engine is not None else None
         self._engine_weak = weakref.ref(engine) if engine is not None else None
         self._cond = threading.Condition(threading.Lock())
         self._pending: RequestOutput | None = None  # stream outputs not yet taken, merged
@@ -294,6 +300,7 @@ class RequestHandle:
                 self._status = final.status
                 self._final = final
                 self._engine_strong = None  # see __init__
+                self._anchor = None
             self._cond.notify_all()
             wakers, self._wakers = self._wakers, []
             callbacks = list(self._done_callbacks) if final is not None else []

@@ -80,6 +80,23 @@ class LoopBridge:
         self.thread: threading.Thread = self.portal.call(threading.current_thread)
         self._core_dead_since: float | None = None
 
+    @classmethod
+    def start(
+        cls,
+        client: CoreClient,
+        closed: Callable[[], bool],
+        dead_reason: Callable[[], str | None],
+    ) -> tuple[LoopBridge, contextlib.ExitStack]:
+        """Start the loop thread; the bridge and the exit stack that stops it. If the
+        loop cannot start, ``client`` is shut down before the error propagates."""
+        exit_stack = contextlib.ExitStack()
+        try:
+            return cls(client, exit_stack, closed, dead_reason), exit_stack
+        except BaseException:
+            exit_stack.close()
+            client.shutdown(10.0)
+            raise
+
     def _dead_error(self, default: str) -> EngineDeadError:
         return EngineDeadError(self._dead_reason() or default)
 
@@ -209,10 +226,10 @@ def client_callbacks(
     (``reap_engine``) then stops the client's threads and frees the model.
     """
 
-    def emit(outputs: EngineCoreOutputs) -> None:
+    def emit(outputs: EngineCoreOutputs) -> None:  # the core thread: never block
         engine = engine_ref()
         if engine is not None:
-            engine._emit(outputs)
+            engine._bridge.call_soon(engine._registry.process, outputs)
 
     def on_exit(error: str | None) -> None:
         engine = engine_ref()
@@ -222,12 +239,12 @@ def client_callbacks(
     def fail(keys: set[str], message: str) -> None:
         engine = engine_ref()
         if engine is not None:
-            engine._bridge.call_soon(engine._fail_keys, keys, message)
+            engine._bridge.call_soon(engine._registry.fail_keys, keys, message)
 
     def routed(key: str, replica: int) -> None:  # called on the loop thread
         engine = engine_ref()
         if engine is not None:
-            engine._on_routed(key, replica)
+            engine._observers.on_routed(key, replica)
 
     return emit, on_exit, fail, routed
 

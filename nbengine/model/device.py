@@ -11,9 +11,15 @@ import os
 
 import torch
 
-from nbengine.model.memory_plan import format_bytes
+__all__ = ["cuda_memory", "describe_device", "format_bytes", "is_cuda", "pinned_empty"]
 
-__all__ = ["cuda_memory", "describe_device", "is_cuda", "pinned_empty"]
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as a short human string (binary units: KiB, MiB, GiB, TiB)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def is_cuda(device: str | torch.device) -> bool:

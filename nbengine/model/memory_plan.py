@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nbengine.model.device import cuda_memory, format_bytes
 from nbengine.model.errors import ModelLoadError
 from nbengine.model.weights import read_safetensors_header
 from nbengine.ops.linear import onednn_twin_supported
@@ -68,14 +69,6 @@ _TWIN_SHARE = 0.25
 
 class InsufficientMemoryError(ModelLoadError):
     """Weights + KV cache do not fit in the free memory; the message has the numbers."""
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes as a short human string (binary units: KiB, MiB, GiB, TiB)."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _read_int(path: str) -> int | None:
@@ -328,8 +321,6 @@ def plan_memory(
     cache, sched = config.cache, config.scheduler
     if cuda:
         if device_memory is None:
-            from nbengine.model.device import cuda_memory
-
             device_memory = cuda_memory(device)
         free, total = device_memory
         util = cache.gpu_memory_utilization

@@ -26,12 +26,15 @@ import logging
 import threading
 import types
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbengine.core.request import Request
 from nbengine.sampling_params import LogitsProcessor, processor_arity
+
+if TYPE_CHECKING:
+    # ops reads what the core's Request holds; it never imports the core at run time
+    from nbengine.core.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -25,15 +25,19 @@ Unseeded rows draw from the sampler's generator, seeded from ``ModelConfig.seed`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from nbengine.core.request import Request
 from nbengine.ops import native
 from nbengine.ops.request_processors import apply_request_processors, needs_request_processing
 from nbengine.outputs import Logprob, PositionLogprobs
 from nbengine.sampling_params import SamplingParams
 from nbengine.structured_outputs import apply_bitmask, bitmask_words
+
+if TYPE_CHECKING:
+    # ops reads what the core's Request holds; it never imports the core at run time
+    from nbengine.core.request import Request
 
 
 def _needs_processing(req: Request) -> bool:

@@ -19,11 +19,10 @@ index tensors from host lists (extra copies on such steps; docs/architecture.md 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from nbengine.core.request import Request
 from nbengine.ops.request_processors import apply_request_processors, needs_request_processing
 from nbengine.ops.sampling import (
     Sampler,
@@ -35,6 +34,10 @@ from nbengine.ops.sampling import (
 )
 from nbengine.outputs import PositionLogprobs
 from nbengine.structured_outputs import apply_bitmask, bitmask_words
+
+if TYPE_CHECKING:
+    # ops reads what the core's Request holds; it never imports the core at run time
+    from nbengine.core.request import Request
 
 
 class _Stager(Protocol):

@@ -3,7 +3,7 @@
 It starts an engine on MODEL, serves it (``Engine.serve``), prints one line with the
 URL once it listens, and runs until Ctrl-C or SIGTERM, then stops the server (open
 streams end, their requests are aborted with confirmation) and shuts the engine down.
-MODEL is resolved as every command resolves one (``nbengine.cli.check_model_arg``), and
+MODEL is resolved as every command resolves one (``nbengine.cli_args.check_model_arg``), and
 a port in use is refused in one line before the model loads.
 """
 
@@ -103,7 +103,7 @@ def _port(text: str) -> int:
 
 def _listen_error(exc: OSError, host: str, port: int) -> Exception:
     """The one line ``nbengine serve`` prints for a failed bind of (host, port)."""
-    from nbengine.cli import CliError
+    from nbengine.cli_args import CliError
 
     if exc.errno == errno.EADDRINUSE:
         return CliError(f"port {port} is in use on {host}: pass --port N (or 0 for a free one)")
@@ -128,7 +128,7 @@ def _check_port(host: str, port: int) -> None:
 def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Run ``nbengine serve``; returns the exit status. ``stop`` ends it (tests)."""
     import nbengine as nb
-    from nbengine.cli import check_model_arg
+    from nbengine.cli_args import check_model_arg
 
     model = check_model_arg(args.model, "MODEL")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)

@@ -18,6 +18,7 @@ import torch
 from nbengine.config import EngineConfig
 from nbengine.core.engine_core import EngineCore
 from nbengine.core.messages import EngineCoreRequest
+from nbengine.model.runner import ModelRunner
 from nbengine.request import FinishReason
 from nbengine.sampling_params import SamplingParams
 
@@ -86,7 +87,7 @@ def engine_run(
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("block_size", 4)
     kwargs.setdefault("num_kv_blocks", 128)
-    core = EngineCore(EngineConfig.from_kwargs(str(path), **kwargs))
+    core = EngineCore(EngineConfig.from_kwargs(str(path), **kwargs), ModelRunner)
     for i, (rid, prompt) in enumerate(prompts.items()):
         p = params[rid] if isinstance(params, dict) else params
         core.add_request(EngineCoreRequest(rid, prompt, p, arrival_time=float(i)))
@@ -155,7 +156,8 @@ def test_prefix_caching_on_and_off(arch, tiny_models):
                 block_size=4,
                 num_kv_blocks=64,
                 enable_prefix_caching=enable,
-            )
+            ),
+            ModelRunner,
         )
         got: dict[str, list[int]] = {k: [] for k in prompts}
         core.add_request(EngineCoreRequest("a", prompts["a"], greedy(), 0.0))

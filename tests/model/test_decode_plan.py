@@ -19,6 +19,7 @@ import torch
 from nbengine.config import EngineConfig
 from nbengine.core.engine_core import EngineCore
 from nbengine.core.messages import EngineCoreRequest
+from nbengine.model.runner import ModelRunner
 from nbengine.ops import native
 from nbengine.ops.linear import packed_linear_supported
 from nbengine.sampling_params import SamplingParams
@@ -62,7 +63,8 @@ def _run(
             max_num_batched_tokens=64,
             block_size=4,
             quantization=quantization,
-        )
+        ),
+        ModelRunner,
     )
     model = core.runner.model
     model.decode_plans_enabled = plans
@@ -143,7 +145,9 @@ def test_sliding_window_model_decodes_through_the_plan(tmp_path: Path) -> None:
     )
     results = []
     for plans in (True, False):
-        core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
+        core = EngineCore(
+            EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4), ModelRunner
+        )
         core.runner.model.decode_plans_enabled = plans
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
         for i, prompt in enumerate(([5, 6, 7], [9, 10], [11, 12, 13, 14])):
@@ -258,7 +262,9 @@ def test_single_sequence_split_across_threads_matches(
     results = []
     for plans in (True, False):
         torch.set_num_threads(2)
-        core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
+        core = EngineCore(
+            EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4), ModelRunner
+        )
         core.runner.model.decode_plans_enabled = plans
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
         core.add_request(EngineCoreRequest("one", [5, 6, 7], params, time.time()))
@@ -291,7 +297,9 @@ def test_with_onednn_twins_large_decode_steps_take_the_module_path(
     monkeypatch.setenv("NBENGINE_LINEAR", "auto")
     monkeypatch.setattr(memory_plan, "onednn_twin_supported", lambda dtype: True)
     path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
-    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", max_num_seqs=24))
+    core = EngineCore(
+        EngineConfig.from_kwargs(path, dtype="bfloat16", max_num_seqs=24), ModelRunner
+    )
     model = core.runner.model
     assert model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
     linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
@@ -360,7 +368,8 @@ def test_quantized_large_steps_dequantize_into_onednn_and_small_ones_take_the_pl
     monkeypatch.setattr(native.NativeKernels, "dequantize", spy)
     path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
     core = EngineCore(
-        EngineConfig.from_kwargs(path, dtype="bfloat16", quantization="int8", max_num_seqs=24)
+        EngineConfig.from_kwargs(path, dtype="bfloat16", quantization="int8", max_num_seqs=24),
+        ModelRunner,
     )
     assert core.runner.model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
     before_alone: list[int] = []
@@ -378,7 +387,7 @@ def test_plan_is_rebuilt_for_new_cache_tensors(tmp_path: Path) -> None:
     from nbengine.model.decode_plan import cache_key
 
     path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
-    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
+    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4), ModelRunner)
     model, caches = core.runner.model, core.runner.kv_caches
     first = model._decode_plan(caches)
     assert first is not None and model._decode_plan(caches) is first
@@ -404,7 +413,8 @@ def test_greedy_steps_are_one_call_with_the_samplers_tokens(
         core = EngineCore(
             EngineConfig.from_kwargs(
                 path, dtype="bfloat16", block_size=4, quantization=quantization
-            )
+            ),
+            ModelRunner,
         )
         model = core.runner.model
         model.decode_plans_enabled = plans
@@ -443,7 +453,7 @@ def test_greedy_call_rejects_a_token_outside_the_vocabulary(tmp_path: Path) -> N
     from nbengine.ops.attention import ChunkSpec, build_attention_metadata
 
     path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
-    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4))
+    core = EngineCore(EngineConfig.from_kwargs(path, dtype="bfloat16", block_size=4), ModelRunner)
     model = core.runner.model
     plan = model._decode_plan(core.runner.kv_caches)
     assert plan is not None and plan.reads_token_ids

@@ -143,9 +143,11 @@ def _engine_greedy(
     """Greedy tokens per request, the most KV blocks held at once, and prefix-hit tokens."""
     from nbengine.core.engine_core import EngineCore
     from nbengine.core.messages import EngineCoreRequest
+    from nbengine.model.runner import ModelRunner
 
     core = EngineCore(
-        EngineConfig.from_kwargs(path, dtype="float32", block_size=4, num_kv_blocks=64, **kwargs)
+        EngineConfig.from_kwargs(path, dtype="float32", block_size=4, num_kv_blocks=64, **kwargs),
+        ModelRunner,
     )
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
