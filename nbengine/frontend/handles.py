@@ -424,13 +424,14 @@ class RequestHandle:
 
         Blocks until the core confirms (TimeoutError after ``timeout``; the abort still
         completes later). ``wait=False`` only requests the abort and returns None at once
-        (for UI callbacks); the final output then arrives through the handle as usual.
+        (for UI callbacks; the final output instead if the request had already finished);
+        the final output then arrives through the handle as usual.
         """
         if self._final is not None:
             return self._final
         if not wait:
             self._engine.abort_handle_nowait(self)
-            return self._final
+            return None  # even if the abort was confirmed meanwhile: as documented
         return self._engine.abort_handle(self, timeout)
 
     def _cancel_quietly(self, block: bool) -> None:
