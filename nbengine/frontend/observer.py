@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -62,22 +63,57 @@ class EngineObserver(Protocol):
         return None
 
 
-class ObserverList(EngineObserver):
-    """The observers of one engine: each hook is forwarded to every one of them.
+_HOOKS = (
+    "on_request",
+    "on_constraint",
+    "on_event",
+    "on_scheduled",
+    "on_tokens",
+    "on_step",
+    "on_routed",
+)
 
-    ``add``/``remove`` may be called from any thread (the list is replaced, never mutated
-    in place, so the loop thread iterates a consistent tuple without a lock).
+# (observer, its bound hook): the observer is named when its hook raises.
+_Bound = tuple[tuple[object, Callable[..., Any]], ...]
+
+
+def _bound_hooks(observers: tuple[EngineObserver, ...]) -> dict[str, _Bound]:
+    """Each hook's bound methods, resolved once; an inherited no-op default is left out."""
+    hooks: dict[str, _Bound] = {}
+    for hook in _HOOKS:
+        default = getattr(EngineObserver, hook)
+        bound = []
+        for obs in observers:
+            own = hook in getattr(obs, "__dict__", {})
+            if not own and getattr(type(obs), hook, None) is default:
+                continue  # EngineObserver's no-op: calling it changes nothing
+            fn = getattr(obs, hook, None)
+            if fn is not None:
+                bound.append((obs, fn))
+        hooks[hook] = tuple(bound)
+    return hooks
+
+
+class ObserverList(EngineObserver):
+    """The observers of one engine: each hook calls every observer's hook.
+
+    ``add``/``remove`` may be called from any thread: they rebuild the bound hooks
+    (resolved once per change, not per call) and replace them, never mutating in place,
+    so the loop thread iterates a consistent tuple without a lock. Each hook calls the
+    observers' hooks itself (no by-name dispatcher between: this runs per token).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._observers: tuple[EngineObserver, ...] = ()
+        self._hooks = _bound_hooks(())
 
     def add(self, observer: EngineObserver) -> None:
         """Register ``observer`` (once; adding it again does nothing)."""
         with self._lock:
             if not any(o is observer for o in self._observers):
                 self._observers = (*self._observers, observer)
+                self._hooks = _bound_hooks(self._observers)
 
     def remove(self, observer: EngineObserver) -> None:
         """Unregister ``observer``; ValueError if it was not registered."""
@@ -86,38 +122,60 @@ class ObserverList(EngineObserver):
             if len(kept) == len(self._observers):
                 raise ValueError("That observer is not registered with this engine.")
             self._observers = kept
+            self._hooks = _bound_hooks(kept)
 
-    def _notify(self, hook: str, *args: Any) -> None:
-        for observer in self._observers:
-            fn = getattr(observer, hook, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception:  # an observer must not break output processing
-                logger.exception("%s hook of %r failed", hook, observer)
+    # Each hook: call every bound hook; one that raises is logged, the others still run
+    # (an observer must not break output processing).
 
     def on_request(
         self, key: str, request_id: str, num_prompt_tokens: int, arrival_time: float
     ) -> None:
-        self._notify("on_request", key, request_id, num_prompt_tokens, arrival_time)
+        for obs, fn in self._hooks["on_request"]:
+            try:
+                fn(key, request_id, num_prompt_tokens, arrival_time)
+            except Exception:
+                logger.exception("on_request hook of %r failed", obs)
 
     def on_constraint(self, key: str, request_id: str, constraint: str) -> None:
-        self._notify("on_constraint", key, request_id, constraint)
+        for obs, fn in self._hooks["on_constraint"]:
+            try:
+                fn(key, request_id, constraint)
+            except Exception:
+                logger.exception("on_constraint hook of %r failed", obs)
 
     def on_event(self, ev: LifecycleEvent) -> None:
-        self._notify("on_event", ev)
+        for obs, fn in self._hooks["on_event"]:
+            try:
+                fn(ev)
+            except Exception:
+                logger.exception("on_event hook of %r failed", obs)
 
     def on_scheduled(self, key: str, when: float) -> None:
-        self._notify("on_scheduled", key, when)
+        for obs, fn in self._hooks["on_scheduled"]:
+            try:
+                fn(key, when)
+            except Exception:
+                logger.exception("on_scheduled hook of %r failed", obs)
 
     def on_tokens(
         self, key: str, num_output_tokens: int, now: float, num_cached_tokens: int | None
     ) -> None:
-        self._notify("on_tokens", key, num_output_tokens, now, num_cached_tokens)
+        for obs, fn in self._hooks["on_tokens"]:
+            try:
+                fn(key, num_output_tokens, now, num_cached_tokens)
+            except Exception:
+                logger.exception("on_tokens hook of %r failed", obs)
 
     def on_step(self, stats: StepStats) -> None:
-        self._notify("on_step", stats)
+        for obs, fn in self._hooks["on_step"]:
+            try:
+                fn(stats)
+            except Exception:
+                logger.exception("on_step hook of %r failed", obs)
 
     def on_routed(self, key: str, replica: int) -> None:
-        self._notify("on_routed", key, replica)
+        for obs, fn in self._hooks["on_routed"]:
+            try:
+                fn(key, replica)
+            except Exception:
+                logger.exception("on_routed hook of %r failed", obs)
