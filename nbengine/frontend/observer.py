@@ -6,9 +6,10 @@ The output processor notifies every registered observer, always on the
 time of a running request is known, when a request has new tokens, when a request
 runs under a structured-output constraint, for every engine step,
 and when a multi-replica backend places a request. Register one with
-``engine.add_observer(obs)``; the engine's own ``EngineMonitor`` (nbengine/dashboard) is
-one. Hooks must be quick and must not block: they run between the model's output batches.
-A hook that raises is logged and the others still run.
+``engine.add_observer(obs)``; the engine's own ``MetricsLog`` (nbengine/metrics.py) is the
+first, and the dashboard's monitor reads that log. Hooks must be quick and must not
+block: they run between the model's output batches. A hook that raises is logged and
+the others still run.
 """
 
 from __future__ import annotations
