@@ -68,6 +68,23 @@ class Kernel:
         assert reply["content"]["status"] == "ok"
         return "".join(out)
 
+    def interrupt_once_streaming(self, msg_id: str, settle_s: float = 0.0) -> dict[str, Any]:
+        """Wait until the cell ``msg_id`` prints 'streaming', then ``settle_s`` more,
+        interrupt the kernel (SIGINT) and return that cell's reply."""
+        deadline = time.monotonic() + CELL_TIMEOUT
+        seen = False
+        while not seen and time.monotonic() < deadline:
+            msg = self.kc.get_iopub_msg(timeout=CELL_TIMEOUT)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                seen = "streaming" in msg["content"]["text"]
+        assert seen
+        time.sleep(settle_s)
+        self.km.interrupt_kernel()
+        reply: dict[str, Any] = self.kc.get_shell_msg(timeout=CELL_TIMEOUT)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=CELL_TIMEOUT)
+        return reply
+
     def json(self, expr: str) -> Any:
         return json.loads(self.run(f"import json as _j; print(_j.dumps({expr}))").strip())
 
@@ -227,17 +244,7 @@ def test_interrupt_during_sync_iteration_aborts_with_confirmation(
         stop_on_error=False,
     )
     # Wait until the loop is really iterating, then interrupt the kernel (SIGINT).
-    deadline = time.monotonic() + CELL_TIMEOUT
-    seen = False
-    while not seen and time.monotonic() < deadline:
-        msg = kernel.kc.get_iopub_msg(timeout=CELL_TIMEOUT)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            seen = "streaming" in msg["content"]["text"]
-    assert seen
-    kernel.km.interrupt_kernel()
-    reply = kernel.kc.get_shell_msg(timeout=CELL_TIMEOUT)
-    while reply["parent_header"].get("msg_id") != msg_id:
-        reply = kernel.kc.get_shell_msg(timeout=CELL_TIMEOUT)
+    reply = kernel.interrupt_once_streaming(msg_id)
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     # The next cell sees the confirmed abort ...
@@ -277,18 +284,8 @@ def test_interrupt_in_an_async_cell_aborts_before_it_propagates(
         "    raise\n",
         stop_on_error=False,
     )
-    deadline = time.monotonic() + CELL_TIMEOUT
-    seen = False
-    while not seen and time.monotonic() < deadline:
-        msg = kernel.kc.get_iopub_msg(timeout=CELL_TIMEOUT)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            seen = "streaming" in msg["content"]["text"]
-    assert seen
-    time.sleep(0.2)  # the cell is in its wait on the handle by now
-    kernel.km.interrupt_kernel()
-    reply = kernel.kc.get_shell_msg(timeout=CELL_TIMEOUT)
-    while reply["parent_header"].get("msg_id") != msg_id:
-        reply = kernel.kc.get_shell_msg(timeout=CELL_TIMEOUT)
+    # settle_s: the cell is in its wait on the handle by then.
+    reply = kernel.interrupt_once_streaming(msg_id, settle_s=0.2)
     assert reply["content"]["status"] == "error"
     assert kernel.json("caught") == ["CancelledError", "FINISHED_ABORTED"]
     out = kernel.json(
