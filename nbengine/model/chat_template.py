@@ -32,7 +32,7 @@ from typing import Any
 import jinja2
 
 from nbengine.model.errors import ModelLoadError
-from nbengine.model.files import is_regular_file, open_regular, read_json
+from nbengine.model.files import open_regular, read_json_object
 from nbengine.model.template_sandbox import (
     CONTAINER_COST,
     SEPARATOR_COST,
@@ -114,10 +114,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     """A model file's JSON object ({} if absent), read as the loader reads it: a FIFO or
     JSON nested too deep is refused at once (nbengine/model/files.py)."""
     try:
-        data = read_json(path) if is_regular_file(path) else {}
+        return read_json_object(path)
     except ModelLoadError as exc:
         raise ChatTemplateError(str(exc)) from exc
-    return data if isinstance(data, dict) else {}
 
 
 def _read_text(path: Path) -> str:

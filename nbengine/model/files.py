@@ -35,6 +35,7 @@ __all__ = [
     "open_regular",
     "parse_json",
     "read_json",
+    "read_json_object",
 ]
 
 MAX_JSON_DEPTH = 64
@@ -159,3 +160,12 @@ def read_json(
         except OSError as exc:
             raise error(f"Cannot read {path}: {exc}") from exc
     return parse_json(data, path, limit, error)
+
+
+def read_json_object(path: Path, error: type[ModelLoadError] = ModelLoadError) -> dict[str, Any]:
+    """The JSON object in ``path``: {} if nothing is there or its value is not an object;
+    ``error`` (naming ``path``) for what ``read_json`` refuses."""
+    if not is_regular_file(path, error):
+        return {}
+    data = read_json(path, error=error)
+    return data if isinstance(data, dict) else {}

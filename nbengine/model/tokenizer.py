@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import tokenizers
 
 from nbengine.model.errors import ModelLoadError
-from nbengine.model.files import is_regular_file, read_json
+from nbengine.model.files import is_regular_file, read_json_object
 from nbengine.validation import is_int
 
 logger = logging.getLogger(__name__)
@@ -23,15 +22,6 @@ logger = logging.getLogger(__name__)
 
 class TokenizerLoadError(ModelLoadError):
     """The directory has no usable tokenizer.json."""
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path`` ({} if it is missing or not an object); a FIFO or JSON
-    nested beyond bounds is a TokenizerLoadError naming it (model/files.py)."""
-    if not is_regular_file(path, TokenizerLoadError):
-        return {}
-    data = read_json(path, error=TokenizerLoadError)
-    return data if isinstance(data, dict) else {}
 
 
 def _token_content(value: object) -> str | None:
@@ -86,9 +76,9 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as exc:  # the Rust library raises a plain Exception
             raise TokenizerLoadError(f"Cannot load {tok_file}: {exc}") from exc
-        tok_cfg = _read_json(path / "tokenizer_config.json")
-        gen_cfg = _read_json(path / "generation_config.json")
-        model_cfg = _read_json(path / "config.json")
+        tok_cfg = read_json_object(path / "tokenizer_config.json", TokenizerLoadError)
+        gen_cfg = read_json_object(path / "generation_config.json", TokenizerLoadError)
+        model_cfg = read_json_object(path / "config.json", TokenizerLoadError)
 
         eos: set[int] = set()
         eos.update(_as_id_list(gen_cfg.get("eos_token_id")))
