@@ -37,9 +37,7 @@ def test_split_reasoning(
     assert split_reasoning(text, parser, prompt=prompt) == want
 
 
-def _streamed(
-    parser: str, chunks: list[str], prompt: str | None
-) -> tuple[str | None, str | None]:
+def _streamed(parser: str, chunks: list[str], prompt: str | None) -> tuple[str | None, str | None]:
     stream = get_reasoning_parser(parser).stream(prompt=prompt)
     reasoning: list[str] = []
     content: list[str] = []

@@ -38,6 +38,7 @@ from nbengine.model.chat_template import NoChatTemplateError
 from nbengine.outputs import CompletionOutput, RequestOutput
 from nbengine.request import EngineDeadError, RequestIdInUseError, RequestStatus
 from nbengine.server import protocol as P
+from nbengine.server import response_format as RF
 from nbengine.server.limits import ServerLimits
 
 __all__ = ["ServerLimits", "begin_stop", "build_app", "live_request_ids"]
@@ -429,6 +430,7 @@ def build_app(
         return _error(_engine_dead("The engine is not running."))
 
     async def completions(request: Request) -> Response:
+        constraint: RF.Constraint | None = None
         try:
             state.check_key(request)
             req = P.parse_request(P.CompletionRequest, await state.read_json(request))
@@ -449,12 +451,14 @@ def build_app(
                 max_tokens_limit=state.limits.max_tokens,
                 stream_interval=state.limits.stream_interval,
             )
+            constraint = RF.constraint_of(req)
+            params = RF.constrained(params, constraint)
             rid, engine_id = state.request_id(request, "cmpl")
             handle = state.start(
                 lambda: engine.generate(prompt, params, request_id=engine_id), "prompt"
             )
         except P.ProtocolError as exc:
-            return _error(exc)
+            return _error(RF.name_field(exc, constraint))
         created = P.now()
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if req.stream:
@@ -478,6 +482,7 @@ def build_app(
         return await _final_response(state, request, handle, head, choice)
 
     async def chat_completions(request: Request) -> Response:
+        constraint: RF.Constraint | None = None
         try:
             state.check_key(request)
             req = P.parse_request(P.ChatCompletionRequest, await state.read_json(request))
@@ -489,6 +494,8 @@ def build_app(
                 max_tokens_limit=state.limits.max_tokens,
                 stream_interval=state.limits.stream_interval,
             )
+            constraint = RF.constraint_of(req)
+            params = RF.constrained(params, constraint)
             messages = [P.chat_content(m) for m in req.messages]
             rid, engine_id = state.request_id(request, "chatcmpl")
             handle = state.start(
@@ -504,7 +511,7 @@ def build_app(
                 "messages",
             )
         except P.ProtocolError as exc:
-            return _error(exc)
+            return _error(RF.name_field(exc, constraint))
         top_n = req.top_logprobs or 0
         head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": model_name}
         if req.stream:
