@@ -36,6 +36,7 @@ from starlette.types import Receive, Scope, Send
 from nbengine.frontend.handles import RequestHandle
 from nbengine.model.chat_template import NoChatTemplateError
 from nbengine.outputs import CompletionOutput, RequestOutput
+from nbengine.reasoning import ReasoningParser, ReasoningStream
 from nbengine.request import EngineDeadError, RequestIdInUseError, RequestStatus
 from nbengine.server import protocol as P
 from nbengine.server import response_format as RF
@@ -397,10 +398,12 @@ def build_app(
     *,
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
+    reasoning_parser: ReasoningParser | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine`` as ``model_name`` (see the module docstring).
     ``chat_template`` (Jinja source or a template name) replaces the model's own for
-    /v1/chat/completions, as vLLM's ``--chat-template`` does."""
+    /v1/chat/completions, as vLLM's ``--chat-template`` does; ``reasoning_parser`` splits
+    chat replies into ``reasoning_content`` and ``content`` (nbengine/reasoning.py)."""
     state = _ServerState(engine, model_name, api_key, limits or ServerLimits())
     tokenizer = engine.tokenizer
 
@@ -518,7 +521,10 @@ def build_app(
             chunk_head = {**head, "object": "chat.completion.chunk"}
             want_logprobs = handle.sampling_params.logprobs is not None
             n = handle.sampling_params.n
-            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs)
+            splits = None
+            if reasoning_parser is not None:  # one splitter per choice
+                splits = [reasoning_parser.stream(handle.prompt) for _ in range(n)]
+            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs, splits)
             return _EventStream(
                 state, handle, _events(state, handle, chunk_head, render, req.stream_options)
             )
@@ -526,7 +532,7 @@ def build_app(
         def choice(c: CompletionOutput) -> dict[str, Any]:
             return {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": _message(c.text, reasoning_parser, handle.prompt),
                 "logprobs": P.chat_logprobs(tokenizer, c, top_n) if req.logprobs else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -551,6 +557,15 @@ def build_app(
     )
     app.state.nbengine = state
     return app
+
+
+def _message(text: str, parser: ReasoningParser | None, prompt: str | None) -> dict[str, Any]:
+    """A chat reply's ``message``; with a reasoning parser, the reasoning split from the
+    content (each None where empty), as vLLM's ``--reasoning-parser`` returns them."""
+    if parser is None:
+        return {"role": "assistant", "content": text}
+    reasoning, content = parser.split(text, prompt)
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
 
 def live_request_ids(app: Starlette) -> list[str]:
@@ -681,12 +696,20 @@ class _CompletionChunks:
 
 
 class _ChatChunks:
-    """``/v1/chat/completions`` chunks: the assistant role first, then content deltas."""
+    """``/v1/chat/completions`` chunks: the assistant role first, then content deltas
+    (with a reasoning parser, ``reasoning_content`` and ``content`` deltas)."""
 
     def __init__(
-        self, head: dict[str, Any], tokenizer: Any, top_n: int, n: int, want_logprobs: bool
+        self,
+        head: dict[str, Any],
+        tokenizer: Any,
+        top_n: int,
+        n: int,
+        want_logprobs: bool,
+        reasoning: list[ReasoningStream] | None = None,
     ) -> None:
         self._head = head
+        self._reasoning = reasoning  # a splitter per choice index, or None
         self._prefix = _prefix(head)
         self._tokenizer = tokenizer
         self._top_n = top_n
@@ -715,6 +738,13 @@ class _ChatChunks:
     def plain(self, c: CompletionOutput) -> str | None:
         if not c.text:
             return None
+        if self._reasoning is not None:
+            delta = self._delta(c)
+            if not delta:  # all of it held back: it may be part of a think tag
+                return None
+            choice = {"index": c.index, "delta": delta, "logprobs": None}
+            choice.update(finish_reason=None, stop_reason=None)
+            return _sse({**self._head, "choices": [choice]})
         return (
             f'data: {self._prefix}{{"index":{c.index},"delta":{{"content":'
             f'{_dumps(c.text)}}},"logprobs":null,"finish_reason":null,'
@@ -725,11 +755,24 @@ class _ChatChunks:
         lp = P.chat_logprobs(self._tokenizer, c, self._top_n) if self._want_logprobs else None
         return {
             "index": c.index,
-            "delta": {"content": c.text} if c.text else {},
+            "delta": self._delta(c),
             "logprobs": lp,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+
+    def _delta(self, c: CompletionOutput) -> dict[str, str]:
+        """The ``delta`` of ``c``'s new text; with a reasoning parser, split into
+        ``reasoning_content`` and ``content`` (text that may begin a tag waits for the
+        next chunk, and is released by the choice's last one)."""
+        if self._reasoning is None:
+            return {"content": c.text} if c.text else {}
+        final = c.finish_reason is not None
+        reasoning, content = self._reasoning[c.index].feed(c.text, final=final)
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if content:
+            delta["content"] = content
+        return delta
 
 
 async def _events(
