@@ -56,6 +56,8 @@ class ReasoningParser:
         """True if the text after ``prompt`` starts inside the thinking: always for a
         ``starts_inside`` parser, else when ``prompt`` ends (whitespace aside) with an
         open start tag."""
+        if prompt is not None and not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str or None, got {type(prompt).__name__}.")
         if self.starts_inside:
             return True
         return prompt is not None and prompt.rstrip().endswith(self.start)

@@ -76,3 +76,5 @@ def test_an_unknown_parser_is_a_value_error_naming_the_choices() -> None:
         get_reasoning_parser("nope")
     with pytest.raises(TypeError, match="text must be a str"):
         split_reasoning(b"<think>", "qwen3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="prompt must be a str or None"):
+        split_reasoning("x", "qwen3", prompt=[1, 2])  # type: ignore[arg-type]

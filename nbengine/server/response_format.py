@@ -132,13 +132,13 @@ def _renamed(message: str, field: str) -> ProtocolError:
 
 def _from_response_format(value: dict[str, Any]) -> Constraint | None:
     fmt = _validated(_ResponseFormat, value, "response_format")
+    if fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise ProtocolError(
+            400,
+            f"response_format.json_schema goes with type 'json_schema', not {fmt.type!r}.",
+            param="response_format.json_schema",
+        )
     if fmt.type == "text":
-        if fmt.json_schema is not None:
-            raise ProtocolError(
-                400,
-                "response_format.json_schema goes with type 'json_schema', not 'text'.",
-                param="response_format.json_schema",
-            )
         return None
     if fmt.type == "json_object":
         return _spec("response_format", lambda: StructuredOutputsParams(json_object=True))

@@ -200,6 +200,10 @@ BAD_CHAT = [
         "response_format.json_schema.bogus",
     ),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    (
+        {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
+        "response_format.json_schema",
+    ),
     ({"response_format": "json"}, "response_format"),
     # Two constraints at once: the later in the order response_format, structured_outputs,
     # guided_json, guided_regex, guided_choice, guided_grammar is named.
