@@ -49,7 +49,7 @@ def test_json_schema_reply_is_valid_in_every_seeded_sample(client: openai.OpenAI
             messages=CONV,
             temperature=1.0,
             seed=seed,
-            max_tokens=300,
+            max_tokens=800,
             response_format=JSON_SCHEMA_FORMAT,
         )
         choice = r.choices[0]
@@ -63,7 +63,7 @@ def test_streamed_json_schema_reply_is_valid(client: openai.OpenAI) -> None:
         messages=CONV,
         temperature=1.0,
         seed=11,
-        max_tokens=300,
+        max_tokens=800,
         n=2,
         stream=True,
         response_format=JSON_SCHEMA_FORMAT,
@@ -86,7 +86,7 @@ def test_json_object_reply_parses(client: openai.OpenAI, engine: nb.Engine) -> N
             messages=CONV,
             temperature=1.0,
             seed=seed,
-            max_tokens=300,
+            max_tokens=800,
             logit_bias=bias,
             response_format={"type": "json_object"},
         )
@@ -129,7 +129,7 @@ def test_guided_choice_and_regex_on_completions(client: openai.OpenAI, stream: b
 def test_guided_json_grammar_and_structured_outputs_on_both_routes(
     client: openai.OpenAI,
 ) -> None:
-    kw: dict[str, Any] = dict(model="tiny", temperature=1.0, seed=3, max_tokens=300)
+    kw: dict[str, Any] = dict(model="tiny", temperature=1.0, seed=3, max_tokens=800)
     text = (
         client.completions.create(prompt="JSON:", extra_body={"guided_json": SCHEMA}, **kw)
         .choices[0]
