@@ -44,6 +44,7 @@ __all__ = [
     "default_parser",
     "get_parser",
     "new_call_id",
+    "template_messages",
     "tool_choice_schema",
 ]
 
@@ -268,8 +269,7 @@ class Llama3JsonToolParser(ToolParser):
     so is content; from the first part that is not a call on, the text is content."""
 
     name = "llama3_json"
-    TAG = "<|python_tag|>"
-    skip_special_tokens = False  # <|python_tag|> is a special token
+    TAG = "<|python_tag|>"  # a special token: often not in the text, and not needed
 
     def scan(self, text: str, final: bool) -> list[Segment]:
         i = _skip_ws(text, 0)
@@ -472,6 +472,45 @@ class ToolCallStream:
         new_calls = [ToolCall(c.name, c.arguments) for c in calls[len(self.tool_calls) :]]
         self.tool_calls.extend(new_calls)
         return StreamDelta(new_content, new_calls)
+
+
+# ------------------------------------------------------------ messages to templates
+
+
+def template_messages(messages: Any) -> Any:
+    """``messages`` with each assistant tool call's ``function.arguments`` decoded from
+    JSON text to a dict, as chat templates expect (the Hugging Face convention; OpenAI
+    clients send the text). Messages that need no change are passed as they are (the
+    others copied); anything not shaped so is left for the template's own checks.
+    ValueError naming the call if the text is not JSON."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        return messages
+    out: list[Any] = []
+    for i, msg in enumerate(messages):
+        calls = msg.get("tool_calls") if isinstance(msg, Mapping) else None
+        if not isinstance(calls, Sequence) or not any(_text_arguments(c) for c in calls):
+            out.append(msg)
+            continue
+        decoded = []
+        for j, call in enumerate(calls):
+            if _text_arguments(call):
+                fn = call["function"]
+                try:
+                    args = json.loads(fn["arguments"])
+                except ValueError as exc:
+                    raise ValueError(
+                        f"messages[{i}]['tool_calls'][{j}]['function']['arguments'] is not "
+                        f"JSON: {exc}."
+                    ) from None
+                call = {**call, "function": {**fn, "arguments": args}}
+            decoded.append(call)
+        out.append({**msg, "tool_calls": decoded})
+    return out
+
+
+def _text_arguments(call: object) -> bool:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    return isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str)
 
 
 # ------------------------------------------------------------ tool-choice grammars

@@ -38,6 +38,7 @@ from nbengine.model.chat_template import NoChatTemplateError
 from nbengine.outputs import CompletionOutput, RequestOutput
 from nbengine.request import EngineDeadError, RequestIdInUseError, RequestStatus
 from nbengine.server import protocol as P
+from nbengine.server import tool_calls as TC
 from nbengine.server.limits import ServerLimits
 
 __all__ = ["ServerLimits", "begin_stop", "build_app", "live_request_ids"]
@@ -396,12 +397,15 @@ def build_app(
     *,
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine`` as ``model_name`` (see the module docstring).
     ``chat_template`` (Jinja source or a template name) replaces the model's own for
-    /v1/chat/completions, as vLLM's ``--chat-template`` does."""
+    /v1/chat/completions, as vLLM's ``--chat-template`` does; ``tool_call_parser``
+    parses tool_choice "auto" replies (default: from the template; tool_calls.py)."""
     state = _ServerState(engine, model_name, api_key, limits or ServerLimits())
     tokenizer = engine.tokenizer
+    tool_parser = TC.server_parser(tokenizer, chat_template, tool_call_parser)
 
     async def models(request: Request) -> Response:
         try:
@@ -489,7 +493,9 @@ def build_app(
                 max_tokens_limit=state.limits.max_tokens,
                 stream_interval=state.limits.stream_interval,
             )
-            messages = [P.chat_content(m) for m in req.messages]
+            tool = TC.tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
+            params = tool.sampling(params)
+            messages = TC.tool_messages([P.chat_content(m) for m in req.messages])
             rid, engine_id = state.request_id(request, "chatcmpl")
             handle = state.start(
                 lambda: engine.chat(
@@ -500,6 +506,8 @@ def build_app(
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     chat_template_kwargs=req.chat_template_kwargs,
+                    tools=tool.template_tools,
+                    tool_call_parser="none",  # the server parses (tool_calls.py)
                 ),
                 "messages",
             )
@@ -511,17 +519,18 @@ def build_app(
             chunk_head = {**head, "object": "chat.completion.chunk"}
             want_logprobs = handle.sampling_params.logprobs is not None
             n = handle.sampling_params.n
-            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs)
+            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs, tool)
             return _EventStream(
                 state, handle, _events(state, handle, chunk_head, render, req.stream_options)
             )
 
         def choice(c: CompletionOutput) -> dict[str, Any]:
+            message, finish_reason = tool.message(c)
             return {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": P.chat_logprobs(tokenizer, c, top_n) if req.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
 
@@ -677,7 +686,13 @@ class _ChatChunks:
     """``/v1/chat/completions`` chunks: the assistant role first, then content deltas."""
 
     def __init__(
-        self, head: dict[str, Any], tokenizer: Any, top_n: int, n: int, want_logprobs: bool
+        self,
+        head: dict[str, Any],
+        tokenizer: Any,
+        top_n: int,
+        n: int,
+        want_logprobs: bool,
+        tool: TC.ToolSetup | None = None,
     ) -> None:
         self._head = head
         self._prefix = _prefix(head)
@@ -685,6 +700,16 @@ class _ChatChunks:
         self._top_n = top_n
         self._n = n
         self._want_logprobs = want_logprobs
+        # With tool calls parsed: each choice's deltas go through its ChoiceStream.
+        self._tool = tool if tool is not None and tool.parses else None
+        self._tool_streams: dict[int, TC.ChoiceStream] = {}
+
+    def _tool_stream(self, index: int) -> TC.ChoiceStream:
+        assert self._tool is not None
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            stream = self._tool_streams[index] = self._tool.stream()
+        return stream
 
     def opening(self) -> list[str]:
         # The role first, one chunk per choice, as OpenAI sends it.
@@ -706,6 +731,14 @@ class _ChatChunks:
         ]
 
     def plain(self, c: CompletionOutput) -> str | None:
+        if self._tool is not None:
+            delta = self._tool_stream(c.index).delta(c.text, False)
+            if not delta:
+                return None
+            return (
+                f'data: {self._prefix}{{"index":{c.index},"delta":{_dumps(delta)},'
+                '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+            )
         if not c.text:
             return None
         return (
@@ -716,11 +749,17 @@ class _ChatChunks:
 
     def choice(self, c: CompletionOutput) -> dict[str, Any]:
         lp = P.chat_logprobs(self._tokenizer, c, self._top_n) if self._want_logprobs else None
+        delta: dict[str, Any] = {"content": c.text} if c.text else {}
+        finish_reason = c.finish_reason
+        if self._tool is not None:
+            stream = self._tool_stream(c.index)
+            delta = stream.delta(c.text, c.finish_reason is not None)
+            finish_reason = stream.finish_reason(finish_reason)
         return {
             "index": c.index,
-            "delta": {"content": c.text} if c.text else {},
+            "delta": delta,
             "logprobs": lp,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
         }
 

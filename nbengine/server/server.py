@@ -51,6 +51,7 @@ class Server:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         stream_interval: int = 1,
         chat_template: str | None = None,
+        tool_call_parser: str | None = None,
         log_level: str = "warning",
     ) -> None:
         try:
@@ -92,6 +93,7 @@ class Server:
             api_key,
             chat_template=chat_template,
             limits=ServerLimits(max_request_bytes, max_tokens, stream_interval),
+            tool_call_parser=tool_call_parser,
         )
         self._sock = _listen(host, port)
         self.host = host
