@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from model import chat_templates as T  # tests/model/chat_templates.py
 
 import nbengine as nb
-from model import chat_templates as T  # tests/model/chat_templates.py
 from nbengine.frontend.chat import render_chat
 
 from support.requests import wait_until
