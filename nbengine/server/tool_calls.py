@@ -133,8 +133,8 @@ class ToolSetup:
         if not self.parses:
             return {"role": "assistant", "content": c.text}, c.finish_reason
         calls, content = self._calls(c.text)
-        if not calls:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
+        if not calls:  # as a stream sends it: surrounding whitespace stripped
+            return {"role": "assistant", "content": content or ""}, c.finish_reason
         message = {
             "role": "assistant",
             "content": content,

@@ -203,20 +203,25 @@ def test_auto_parses_the_models_own_calls_streamed_and_not(
     assert _as_tuples(one.choices[0].message.tool_calls) == WANT_CALLS[:1]
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Hm.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"\n</tool_call>\n',
+        ' <tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        'Hm. <tool_call>\n{"name": "weather", "arguments": {"city": "Os',  # never closed
+    ],
+)
 def test_a_malformed_call_is_content_not_an_error(
-    client: openai.OpenAI, script: Any, stream: bool
+    client: openai.OpenAI, script: Any, text: str
 ) -> None:
-    text = 'Hm.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"\n</tool_call>'
     script(text)
     kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200)
-    if stream:
-        calls, content, finish, _ = _streamed(client.chat.completions.create(stream=True, **kw))
-        assert calls == {} and content == text and finish == "stop"
-    else:
-        r = client.chat.completions.create(**kw)
-        assert r.choices[0].message.tool_calls is None
-        assert r.choices[0].message.content == text and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == text.strip()
+    assert r.choices[0].finish_reason == "stop"
+    calls, content, finish, _ = _streamed(client.chat.completions.create(stream=True, **kw))
+    assert calls == {} and content == text.strip() and finish == "stop"
 
 
 def test_tool_choice_none_leaves_the_reply_as_content(client: openai.OpenAI, script: Any) -> None:
