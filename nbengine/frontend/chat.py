@@ -23,7 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nbengine.model.chat_template import ChatTemplate, NoChatTemplateError
-from nbengine.tool_parsers import ToolParser, default_parser, get_parser, template_messages
+from nbengine.tool_parsers import (
+    ExtractedToolCalls,
+    ToolParser,
+    default_parser,
+    get_parser,
+    template_messages,
+)
 
 if TYPE_CHECKING:
     from nbengine.frontend.engine import Engine
@@ -114,15 +120,26 @@ def tool_parser_for(
     return get_parser(name) if name is not None else None
 
 
-def attach_tool_calls(parser: ToolParser, out: RequestOutput) -> None:
-    """Set each completion's ``tool_calls`` and ``content`` from its text, in place."""
+def attach_tool_calls(
+    parser: ToolParser,
+    out: RequestOutput,
+    seen: dict[tuple[int, str], ExtractedToolCalls] | None = None,
+) -> None:
+    """Set each completion's ``tool_calls`` and ``content`` from its text, in place.
+    ``seen`` (by index and text) gives the outputs of one request the same calls, ids
+    included (the final output and the stream's last one are separate objects)."""
     for comp in out.outputs:
-        _attach(parser, comp)
+        _attach(parser, comp, {} if seen is None else seen)
 
 
-def _attach(parser: ToolParser, comp: CompletionOutput) -> None:
-    got = parser.extract(comp.text)
-    comp.tool_calls = got.tool_calls
+def _attach(
+    parser: ToolParser, comp: CompletionOutput, seen: dict[tuple[int, str], ExtractedToolCalls]
+) -> None:
+    key = (comp.index, comp.text)
+    got = seen.get(key)
+    if got is None:
+        got = seen[key] = parser.extract(comp.text)
+    comp.tool_calls = list(got.tool_calls)
     comp.content = got.content
 
 
@@ -155,7 +172,8 @@ def engine_chat(
     handle = engine.generate(prompt.token_ids, params, request_id=request_id)
     handle.prompt = prompt.text  # generate() saw ids only; show the user what was sent
     if parser is not None:
-        handle.finish_with(lambda out: attach_tool_calls(parser, out))
+        seen: dict[tuple[int, str], ExtractedToolCalls] = {}
+        handle.finish_with(lambda out: attach_tool_calls(parser, out, seen))
     return handle
 
 

@@ -192,6 +192,8 @@ def test_chat_with_tools_returns_the_parsed_calls(chat_engine: nb.Engine) -> Non
             ("weather", {"city": "Oslo"})
         ]
         assert c.tool_calls[0].id.startswith("call_") and c.tool_calls[0].type == "function"
+    # One request's outputs name the same call by the same id.
+    assert streamed.outputs[0].tool_calls == h.result().outputs[0].tool_calls
     # The template shows no tool format and no parser is named: nothing is parsed.
     plain = chat_engine.chat(ASK, params, tools=TOOLS).result(timeout=60).outputs[0]
     assert plain.text == CALL_TEXT and plain.tool_calls is None and plain.content is None
@@ -235,6 +237,15 @@ def test_chat_tool_call_history_reaches_the_template_with_decoded_arguments(
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         chat_engine.chat(ASK, tools=TOOLS, tool_call_parser="qwen")
     assert chat_engine.num_unfinished_requests() == 0
+
+
+def test_finish_with_completes_a_final_output_that_has_already_arrived(
+    chat_engine: nb.Engine,
+) -> None:
+    h = chat_engine.generate("x", nb.SamplingParams(max_tokens=1, ignore_eos=True))
+    out = h.result(timeout=60)
+    h.finish_with(lambda o: setattr(o.outputs[0], "content", "seen"))
+    assert out.outputs[0].content == "seen" and h.final_output is out
 
 
 def test_llm_chat_with_tools_parses_each_output(qwen_chat: Path) -> None:
