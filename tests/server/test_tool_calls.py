@@ -198,6 +198,11 @@ def test_auto_parses_the_models_own_calls_streamed_and_not(
     calls, content, finish, _ = _streamed(client.chat.completions.create(stream=True, **kw))
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == WANT_CALLS
     assert content == "Checking." and finish == "tool_calls"
+    # The openai client's own stream accumulator puts the same calls together.
+    with client.chat.completions.stream(**kw) as events:
+        final = events.get_final_completion()
+    assert _as_tuples(final.choices[0].message.tool_calls) == WANT_CALLS
+    assert final.choices[0].message.content == "Checking."
     # parallel_tool_calls=false: the first call only.
     one = client.chat.completions.create(parallel_tool_calls=False, **kw)
     assert _as_tuples(one.choices[0].message.tool_calls) == WANT_CALLS[:1]
