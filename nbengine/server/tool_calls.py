@@ -120,9 +120,9 @@ class ToolSetup:
         return params
 
     def _calls(self, text: str) -> tuple[list[ToolCall], str | None]:
-        if self.mode == "named":
+        if self.mode == "named":  # the text is the arguments (none written: no call)
             assert self.name is not None
-            return [ToolCall(self.name, text)], None
+            return ([ToolCall(self.name, text)] if text else []), None
         assert self.parser is not None
         got = self.parser.extract(text)
         calls = got.tool_calls if self.parallel else got.tool_calls[:1]
@@ -184,14 +184,15 @@ class ChoiceStream:
         return out
 
     def _named(self, text: str) -> dict[str, Any]:
+        if not text:  # the call starts with its first text, as in ToolSetup._calls
+            return {}
         entries: list[dict[str, Any]] = []
         if self._named_id is None:
             self._named_id = new_call_id()
             entries.append(_header(0, self._named_id, self._setup.name or ""))
             self._sent = 1
-        if text:
-            entries.append({"index": 0, "function": {"arguments": text}})
-        return {"tool_calls": entries} if entries else {}
+        entries.append({"index": 0, "function": {"arguments": text}})
+        return {"tool_calls": entries}
 
     def finish_reason(self, reason: str | None) -> str | None:
         """The choice's ``finish_reason``: "tool_calls" when it stopped after calls."""

@@ -392,3 +392,21 @@ def test_the_parser_can_be_chosen(engine: nb.Engine, script: Any, parser: str, t
 def test_an_unknown_parser_is_refused_at_serve(engine: nb.Engine) -> None:
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         engine.serve(port=0, tool_call_parser="qwen")
+
+
+def test_a_named_reply_with_no_text_is_no_call() -> None:
+    """A named choice's reply is its arguments: none written (cut before its first
+    token), no call, streamed or not."""
+    from nbengine.outputs import CompletionOutput
+    from nbengine.server.tool_calls import tool_setup
+
+    setup = tool_setup(TOOLS, {"type": "function", "function": {"name": "time"}}, True, None)
+    empty = CompletionOutput(0, "", [], finish_reason="abort")
+    assert setup.message(empty) == ({"role": "assistant", "content": ""}, "abort")
+    stream = setup.stream()
+    assert stream.delta("", False) == {} and stream.delta("", True) == {}
+    assert stream.finish_reason("abort") == "abort"
+    got = stream.delta('{"tz"', False)["tool_calls"]
+    assert got[0]["function"] == {"name": "time", "arguments": ""} and got[1]["function"] == {
+        "arguments": '{"tz"'
+    }
