@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import pytest
 from model import chat_templates as T  # tests/model/chat_templates.py
 
@@ -21,7 +22,6 @@ from support.requests import wait_until
 from support.scripted import eos_id, scripted
 
 openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
 
 WEATHER = {
     "type": "object",
