@@ -174,35 +174,39 @@ def _partial_marker(tail: str, marker: str) -> int:
 
 def _scan_array(
     text: str, start: int, final: bool, arg_keys: Sequence[str]
-) -> tuple[list[FunctionCall], int | None, bool]:
+) -> tuple[list[FunctionCall], int | None, int | None]:
     """Calls in the JSON array of call objects at ``start`` (``[``), each as soon as it is
-    complete: (the calls, the index past the array or None if it has not ended, whether
-    it went wrong). ``went wrong``: an element is not a call, or the array is malformed;
-    the caller then treats the text from ``start`` as content."""
+    complete: (the calls, the index past the array or None if it has not ended, where the
+    array went wrong or None). It goes wrong where an element is not a call, the array
+    is malformed, or (``final``) it is cut short; the caller keeps the calls before that
+    point and treats the text from it as content (``start`` if there are none)."""
     calls: list[FunctionCall] = []
     i = _skip_ws(text, start + 1)
+    part_at = start  # where the element being read begins, with its separator
     while True:
+        bad = start if not calls else part_at
         if i >= len(text):
-            return calls, None, final
+            return calls, None, bad if final else None
         c = text[i]
         if c == "]" and not calls:
-            return calls, i + 1, False
+            return calls, i + 1, None
         if c != "{":
-            return calls, None, True
+            return calls, None, bad
         end = _json_end(text, i)
         if end is None:
-            return calls, None, final
+            return calls, None, bad if final else None
         call = _call_from(_decode(text[i:end]), arg_keys)
         if call is None:
-            return calls, None, True
+            return calls, None, bad
         calls.append(call)
+        part_at = end
         i = _skip_ws(text, end)
         if i >= len(text):
-            return calls, None, final
+            return calls, None, part_at if final else None
         if text[i] == "]":
-            return calls, i + 1, False
+            return calls, i + 1, None
         if text[i] != ",":
-            return calls, None, True
+            return calls, None, part_at
         i = _skip_ws(text, i + 1)
 
 
@@ -343,11 +347,11 @@ class MistralToolParser(ToolParser):
                     out.append(text[at:])
                 return out
             if text[i] == "[":
-                calls, end, wrong = _scan_array(text, i, final, ("arguments", "parameters"))
-                if wrong:
-                    out.append(text[at:])
-                    return out
+                calls, end, bad = _scan_array(text, i, final, ("arguments", "parameters"))
                 out.extend(calls)
+                if bad is not None:
+                    out.append(text[bad if calls else at :])
+                    return out
                 if end is None:
                     return out
                 pos = end
@@ -393,10 +397,11 @@ class JsonToolCallsParser(ToolParser):
         if self.parallel:
             if text[i] != "[":
                 return [text]
-            calls, _end, wrong = _scan_array(text, i, final, ("arguments",))
-            if wrong:
-                return [text]
-            return list(calls)
+            calls, _end, bad = _scan_array(text, i, final, ("arguments",))
+            out: list[Segment] = list(calls)
+            if bad is not None:
+                out.append(text[bad:] if calls else text)
+            return out
         if text[i] != "{":
             return [text]
         end = _json_end(text, i)

@@ -99,6 +99,24 @@ CASES = [
     ),
 ]
 
+# Calls complete before a part that is not one are kept; the rest is content.
+PARTLY = [
+    ("mistral", '[TOOL_CALLS][{"name": "time", "arguments": {}}, 5]', [("time", {})], ", 5]"),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "time", "arguments": {}}, {"name": "w',
+        [("time", {})],
+        ', {"name": "w',
+    ),
+    ("llama3_json", '{"name": "time", "parameters": {}}; oops', [("time", {})], "; oops"),
+    (
+        "hermes",
+        '<tool_call>{"name": "time"}</tool_call><tool_call>{oops}</tool_call>',
+        [("time", {})],
+        "<tool_call>{oops}</tool_call>",
+    ),
+]
+
 MALFORMED = [
     ("hermes", '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}\n</tool_call>'),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
@@ -134,7 +152,7 @@ def _streamed(parser: ToolParser, text: str, rng: random.Random | None) -> tuple
     return [(c.name, c.args) for c in calls], "".join(pieces) or None
 
 
-@pytest.mark.parametrize(("name", "text", "calls", "content"), CASES)
+@pytest.mark.parametrize(("name", "text", "calls", "content"), CASES + PARTLY)
 def test_a_finished_reply_splits_into_calls_and_content(
     name: str, text: str, calls: list, content: str | None
 ) -> None:
@@ -142,7 +160,7 @@ def test_a_finished_reply_splits_into_calls_and_content(
 
 
 @pytest.mark.parametrize(
-    ("name", "text", "calls", "content"), CASES + [(n, t, [], t) for n, t in MALFORMED]
+    ("name", "text", "calls", "content"), CASES + PARTLY + [(n, t, [], t) for n, t in MALFORMED]
 )
 def test_streaming_in_any_chunking_gives_the_finished_replys_calls(
     name: str, text: str, calls: list, content: str | None
@@ -208,3 +226,21 @@ def test_unknown_parser_is_a_value_error_naming_the_choices() -> None:
 def test_tool_choice_schema_names_an_unknown_function() -> None:
     with pytest.raises(ValueError, match="'nope'"):
         tool_choice_schema([{"name": "a"}], "nope", True)
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_streaming_equals_the_finished_reply_on_cut_and_garbled_texts(name: str) -> None:
+    """The invariant behind streaming (nbengine/tool_parsers.py): for any text, cut
+    anywhere and followed by anything, the stream adds up to ``extract``."""
+    parser = get_parser(name)
+    rng = random.Random(7)
+    texts = [t for n, t, _c, _x in CASES + PARTLY if n == name] + [
+        t for n, t in MALFORMED if n == name
+    ]
+    noise = [*'{}[]",:; <>/\\ab\n', "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]"]
+    noise += ["<|python_tag|>", '{"name": "f"}', '{"name": "g", "arguments": {}}', "g[ARGS]{}"]
+    for text in texts:
+        for cut in range(0, len(text) + 1, 3):
+            tail = "".join(rng.choice(noise) for _ in range(rng.randint(0, 12)))
+            garbled = text[:cut] + tail
+            assert _streamed(parser, garbled, rng) == _calls(parser, garbled), garbled
