@@ -154,6 +154,8 @@ class RequestHandle:
         self._wakers: list[Callable[[], None]] = []
         self._done_callbacks: list[Callable[[RequestHandle], None]] = []
         self._widget: HandleWidget | None = None  # created by widget(), one per handle
+        # Applied to the full final output(s) before anyone can see them (finish_with).
+        self._final_hook: Callable[[RequestOutput], None] | None = None
 
     @property
     def _engine(self) -> HandleOwner:
@@ -289,6 +291,8 @@ class RequestHandle:
     ) -> None:
         """Called on the loop thread only: a stream output and/or the final output."""
         with self._cond:
+            if final is not None and self._final_hook is not None:
+                self._run_final_hook(final, out)
             if out is not None and not self._stream_done:
                 if self._pending is None:
                     self._pending = out
@@ -311,6 +315,35 @@ class RequestHandle:
                 cb(self)
             except Exception:  # a callback must not break output processing
                 logger.exception("done callback of request %r failed", self.request_id)
+
+    def finish_with(self, hook: Callable[[RequestOutput], None]) -> None:
+        """Let ``hook`` complete the final output in place before it is published (the
+        full final output, and the stream's last output unless it is a delta); at once
+        if it has arrived already. ``Engine.chat`` uses it to attach parsed tool calls.
+        One hook per handle; an exception in it is logged, never raised."""
+        with self._cond:
+            self._final_hook = hook
+            if self._final is not None:
+                self._run_final_hook(self._final, self._pending)
+
+    def _run_final_hook(self, final: RequestOutput, out: RequestOutput | None) -> None:
+        """Lock held: ``_final_hook`` on ``final`` and on ``out`` if that is the stream's
+        full last output (FINAL_ONLY or CUMULATIVE)."""
+        hook = self._final_hook
+        assert hook is not None
+        targets = [final]
+        if (
+            out is not None
+            and out is not final
+            and out.finished
+            and self.sampling_params.output_kind is not RequestOutputKind.DELTA
+        ):
+            targets.append(out)
+        for target in targets:
+            try:
+                hook(target)
+            except Exception:  # a hook must not break output processing
+                logger.exception("final-output hook of request %r failed", self.request_id)
 
     def add_done_callback(self, cb: Callable[[RequestHandle], None]) -> None:
         """Run ``cb(handle)`` once the final output is delivered (at once if it was).

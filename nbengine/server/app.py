@@ -40,6 +40,7 @@ from nbengine.reasoning import ReasoningParser, ReasoningStream
 from nbengine.request import EngineDeadError, RequestIdInUseError, RequestStatus
 from nbengine.server import protocol as P
 from nbengine.server import response_format as RF
+from nbengine.server import tool_calls as TC
 from nbengine.server.limits import ServerLimits
 
 __all__ = ["ServerLimits", "begin_stop", "build_app", "live_request_ids"]
@@ -399,13 +400,17 @@ def build_app(
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
     reasoning_parser: ReasoningParser | None = None,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine`` as ``model_name`` (see the module docstring).
     ``chat_template`` (Jinja source or a template name) replaces the model's own for
     /v1/chat/completions, as vLLM's ``--chat-template`` does; ``reasoning_parser`` splits
-    chat replies into ``reasoning_content`` and ``content`` (nbengine/reasoning.py)."""
+    chat replies into ``reasoning_content`` and ``content`` (nbengine/reasoning.py);
+    ``tool_call_parser`` parses tool_choice "auto" replies (default: from the template;
+    tool_calls.py). The reasoning is split first: only the content is parsed for calls."""
     state = _ServerState(engine, model_name, api_key, limits or ServerLimits())
     tokenizer = engine.tokenizer
+    tool_parser = TC.server_parser(tokenizer, chat_template, tool_call_parser)
 
     async def models(request: Request) -> Response:
         try:
@@ -499,7 +504,9 @@ def build_app(
             )
             constraint = RF.constraint_of(req)
             params = RF.constrained(params, constraint)
-            messages = [P.chat_content(m) for m in req.messages]
+            tool = TC.tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
+            params = tool.sampling(params)
+            messages = TC.tool_messages([P.chat_content(m) for m in req.messages])
             rid, engine_id = state.request_id(request, "chatcmpl")
             handle = state.start(
                 lambda: engine.chat(
@@ -510,6 +517,8 @@ def build_app(
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     chat_template_kwargs=req.chat_template_kwargs,
+                    tools=tool.template_tools,
+                    tool_call_parser="none",  # the server parses (tool_calls.py)
                 ),
                 "messages",
             )
@@ -524,17 +533,24 @@ def build_app(
             splits = None
             if reasoning_parser is not None:  # one splitter per choice
                 splits = [reasoning_parser.stream(handle.prompt) for _ in range(n)]
-            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs, splits)
+            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs, splits, tool)
             return _EventStream(
                 state, handle, _events(state, handle, chunk_head, render, req.stream_options)
             )
 
         def choice(c: CompletionOutput) -> dict[str, Any]:
+            if reasoning_parser is None:
+                message, finish_reason = tool.message(c)
+            else:  # the thinking first; only the content may hold tool calls
+                reasoning, content = reasoning_parser.split(c.text, handle.prompt)
+                message, finish_reason = tool.message(c, text=content or "")
+                message["content"] = message["content"] or None
+                message["reasoning_content"] = reasoning
             return {
                 "index": c.index,
-                "message": _message(c.text, reasoning_parser, handle.prompt),
+                "message": message,
                 "logprobs": P.chat_logprobs(tokenizer, c, top_n) if req.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
 
@@ -557,15 +573,6 @@ def build_app(
     )
     app.state.nbengine = state
     return app
-
-
-def _message(text: str, parser: ReasoningParser | None, prompt: str | None) -> dict[str, Any]:
-    """A chat reply's ``message``; with a reasoning parser, the reasoning split from the
-    content (each None where empty), as vLLM's ``--reasoning-parser`` returns them."""
-    if parser is None:
-        return {"role": "assistant", "content": text}
-    reasoning, content = parser.split(text, prompt)
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
 
 def live_request_ids(app: Starlette) -> list[str]:
@@ -707,6 +714,7 @@ class _ChatChunks:
         n: int,
         want_logprobs: bool,
         reasoning: list[ReasoningStream] | None = None,
+        tool: TC.ToolSetup | None = None,
     ) -> None:
         self._head = head
         self._reasoning = reasoning  # a splitter per choice index, or None
@@ -715,6 +723,16 @@ class _ChatChunks:
         self._top_n = top_n
         self._n = n
         self._want_logprobs = want_logprobs
+        # With tool calls parsed: each choice's deltas go through its ChoiceStream.
+        self._tool = tool if tool is not None and tool.parses else None
+        self._tool_streams: dict[int, TC.ChoiceStream] = {}
+
+    def _tool_stream(self, index: int) -> TC.ChoiceStream:
+        assert self._tool is not None
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            stream = self._tool_streams[index] = self._tool.stream()
+        return stream
 
     def opening(self) -> list[str]:
         # The role first, one chunk per choice, as OpenAI sends it.
@@ -736,15 +754,16 @@ class _ChatChunks:
         ]
 
     def plain(self, c: CompletionOutput) -> str | None:
+        if self._tool is not None or self._reasoning is not None:
+            delta = self._delta(c)
+            if not delta:  # all of it held back: it may be part of a tag or a call
+                return None
+            return (
+                f'data: {self._prefix}{{"index":{c.index},"delta":{_dumps(delta)},'
+                '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+            )
         if not c.text:
             return None
-        if self._reasoning is not None:
-            delta = self._delta(c)
-            if not delta:  # all of it held back: it may be part of a think tag
-                return None
-            choice = {"index": c.index, "delta": delta, "logprobs": None}
-            choice.update(finish_reason=None, stop_reason=None)
-            return _sse({**self._head, "choices": [choice]})
         return (
             f'data: {self._prefix}{{"index":{c.index},"delta":{{"content":'
             f'{_dumps(c.text)}}},"logprobs":null,"finish_reason":null,'
@@ -753,25 +772,35 @@ class _ChatChunks:
 
     def choice(self, c: CompletionOutput) -> dict[str, Any]:
         lp = P.chat_logprobs(self._tokenizer, c, self._top_n) if self._want_logprobs else None
+        delta = self._delta(c)
+        finish_reason = c.finish_reason
+        if self._tool is not None:
+            finish_reason = self._tool_stream(c.index).finish_reason(finish_reason)
         return {
             "index": c.index,
-            "delta": self._delta(c),
+            "delta": delta,
             "logprobs": lp,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
         }
 
-    def _delta(self, c: CompletionOutput) -> dict[str, str]:
-        """The ``delta`` of ``c``'s new text; with a reasoning parser, split into
-        ``reasoning_content`` and ``content`` (text that may begin a tag waits for the
-        next chunk, and is released by the choice's last one)."""
-        if self._reasoning is None:
-            return {"content": c.text} if c.text else {}
+    def _delta(self, c: CompletionOutput) -> dict[str, Any]:
+        """The ``delta`` of ``c``'s new text. With a reasoning parser it is split into
+        ``reasoning_content`` and content first (text that may begin a tag waits for the
+        next chunk, and is released by the choice's last one); with tool calls parsed, the
+        content then goes through the choice's ``ChoiceStream`` (content and
+        ``tool_calls`` entries)."""
         final = c.finish_reason is not None
-        reasoning, content = self._reasoning[c.index].feed(c.text, final=final)
-        delta = {"reasoning_content": reasoning} if reasoning else {}
-        if content:
-            delta["content"] = content
+        text = c.text
+        delta: dict[str, Any] = {}
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning[c.index].feed(c.text, final=final)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        if self._tool is not None:
+            delta.update(self._tool_stream(c.index).delta(text, final))
+        elif text:
+            delta["content"] = text
         return delta
 
 

@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from nbengine.tool_parsers import PARSERS
+
 __all__ = ["add_serve_parser", "run_serve"]
 
 API_KEY_ENV = "NBENGINE_API_KEY"
@@ -93,6 +95,13 @@ def add_serve_parser(
         choices=sorted(REASONING_PARSERS),
         help="split <think> ... </think> from chat replies into reasoning_content",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(PARSERS),
+        help="how tool_choice 'auto' replies are parsed into tool calls (default: from "
+        "the chat template's format)",
+    )
     p.add_argument("--dtype", default="auto", help="model dtype (auto, bfloat16, float32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the most requests per batch")
@@ -166,6 +175,7 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
                 stream_interval=args.stream_interval,
                 chat_template=_template(args.chat_template),
                 reasoning_parser=args.reasoning_parser,
+                tool_call_parser=args.tool_call_parser,
             )
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:

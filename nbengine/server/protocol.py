@@ -79,7 +79,7 @@ class ProtocolError(Exception):
 
 class _Strict(BaseModel):
     # Unknown fields are refused (400 naming them): a field we would silently ignore
-    # (response_format, tools, ...) would return something other than what was asked.
+    # (audio, prediction, ...) would return something other than what was asked.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -153,6 +153,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None  # read by response_format.py
+    # Tool calls (nbengine/server/tool_calls.py checks them).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
 
 
 def short(value: object, limit: int = 60) -> str:

@@ -53,6 +53,7 @@ class Server:
         stream_interval: int = 1,
         chat_template: str | None = None,
         reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
         log_level: str = "warning",
     ) -> None:
         try:
@@ -96,6 +97,7 @@ class Server:
             chat_template=chat_template,
             limits=ServerLimits(max_request_bytes, max_tokens, stream_interval),
             reasoning_parser=parser,
+            tool_call_parser=tool_call_parser,
         )
         self._sock = _listen(host, port)
         self.host = host
