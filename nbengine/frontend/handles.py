@@ -5,7 +5,10 @@ thread may read or wait. Sync waits use a ``threading.Condition`` and wake at le
 every 0.1 s (so SIGINT reaches the main thread and a dead engine is noticed). Async
 waits register a waker that resumes the consumer's own event loop thread-safely
 (asyncio ``loop.call_soon_threadsafe`` / trio ``token.run_sync_soon``), detected with
-``sniffio``.
+``sniffio``. State readers (``text``, ``token_ids``, ``status``, ``view``,
+``snapshot()``) take no lock: they read the one immutable ``RequestView`` that each
+delivery publishes by a reference swap (request_view.py; docs/architecture.md, "The
+output path"), never the loop's own request state.
 
 Stream semantics: outputs are shaped by ``params.output_kind``. When the consumer lags,
 pending outputs are merged (DELTA: text and ids concatenated, last cumulative logprob;
@@ -248,7 +251,12 @@ class RequestHandle:
 
         ``changed``: the completions whose tokens or text changed since the last view.
         """
-        self._view = self._build_view(final, error, changed)  # the one reference swap
+        # The one reference swap (request_view.py): the final output's view, else the
+        # live state's (a handle not registered yet keeps its initial view).
+        if final is not None:
+            self._view = final_view(final, self._view, None if error is None else str(error))
+        elif self._live is not None:
+            self._view = live_view(self._live, self._view, changed)
         if out is None and final is None and error is None:
             return  # nothing for a waiter: only readers of the view see the change
         with self._cond:
@@ -274,20 +282,6 @@ class RequestHandle:
                 cb(self)
             except Exception:  # a callback must not break output processing
                 logger.exception("done callback of request %r failed", self.request_id)
-
-    def _build_view(
-        self,
-        final: RequestOutput | None,
-        error: EngineDeadError | None,
-        changed: Iterable[ChildState],
-    ) -> RequestView:
-        """This delivery's view (loop thread): the final output's, else the live state's."""
-        if final is not None:
-            return final_view(final, self._view, None if error is None else str(error))
-        live = self._live
-        if live is None:
-            return self._view
-        return live_view(live, self._view, changed)
 
     def add_done_callback(self, cb: Callable[[RequestHandle], None]) -> None:
         """Run ``cb(handle)`` once the final output is delivered (at once if it was).

@@ -131,7 +131,7 @@ def initial_view(request_id: str, n: int, arrival_time: float) -> RequestView:
 def _live_completion(child: ChildState) -> CompletionView:
     detok = child.detok
     ids = detok.token_ids
-    # Positional: the per-token path (fields: index, num_tokens, finish_reason,
+    # Positional: this is the per-token path (fields: index, num_tokens, finish_reason,
     # stop_reason, source_text, text_len, source_ids).
     return CompletionView(
         child.index, len(ids), None, None, detok.text, detok.streamable_len(child.released), ids
@@ -142,20 +142,15 @@ def live_view(live: LiveRequest, prev: RequestView, changed: Iterable[ChildState
     """The view of a live request (loop thread): ``prev`` with the ``changed`` children's
     current state, and the request's current status and clock readings.
 
-    Its status is a live one: a request whose status is FINISHED_* is shown by its
-    final view only (``final_view``), so the badge never runs ahead of the text.
+    The caller's invariant: ``live.status`` is a live one. A FINISHED_* status is
+    published by the final view only (``final_view``, with the whole text), which the
+    output processor delivers in the same step as the status is decided.
     """
-    status = live.status
-    if RequestStatus.is_finished(status):
-        # The output processor never publishes one (it comes with the final output);
-        # this keeps every view consistent by construction all the same.
-        status = RequestStatus.RELEASING
-    m = live.metrics
     completions = prev.completions
     if len(completions) != len(live.children):  # not made for this request's n: all anew
         completions = tuple([_live_completion(c) for c in live.children])
     elif len(completions) == 1:
-        for child in changed:
+        for child in changed:  # completion 0, if it changed
             completions = (_live_completion(child),)
     else:
         by_index: list[CompletionView] | None = None
@@ -165,10 +160,11 @@ def live_view(live: LiveRequest, prev: RequestView, changed: Iterable[ChildState
             by_index[child.index] = _live_completion(child)  # index: its position
         if by_index is not None:
             completions = tuple(by_index)
+    m = live.metrics
     # Positional, as above (fields in RequestView's order).
     return RequestView(
         live.request_id,
-        status,
+        live.status,
         False,
         completions,
         prev.arrival_time,
