@@ -186,8 +186,8 @@ class RequestHandle:
         return self._view.status
 
     def done(self) -> bool:
-        """True once the final output has been delivered."""
-        return self._final is not None
+        """True once the final output has been delivered (and the final view published)."""
+        return self._view.finished
 
     @property
     def text(self) -> str:
@@ -246,19 +246,21 @@ class RequestHandle:
         error: EngineDeadError | None = None,
         changed: Iterable[ChildState] = (),
     ) -> None:
-        """Called on the loop thread only: publish this delivery's view, then hand over a
-        stream output and/or the final output (none: only the view changed).
+        """Called on the loop thread only: hand over a stream output and/or the final
+        output, and publish this delivery's view (none: only the view changes).
 
         ``changed``: the completions whose tokens or text changed since the last view.
         """
-        # The one reference swap (request_view.py): the final output's view, else the
-        # live state's (a handle not registered yet keeps its initial view).
+        # This delivery's view (request_view.py): the final output's, else the live
+        # state's (a handle not registered yet keeps its initial view).
+        view = self._view
         if final is not None:
-            self._view = final_view(final, self._view, None if error is None else str(error))
+            view = final_view(final, view, None if error is None else str(error))
         elif self._live is not None:
-            self._view = live_view(self._live, self._view, changed)
+            view = live_view(self._live, view, changed)
         if out is None and final is None and error is None:
-            return  # nothing for a waiter: only readers of the view see the change
+            self._view = view  # the one reference swap; nothing for a waiter
+            return
         with self._cond:
             if out is not None and not self._stream_done:
                 if self._pending is None:
@@ -268,10 +270,14 @@ class RequestHandle:
             if error is not None:
                 self._error = error
             if final is not None:
-                # After the final view: whoever sees done() finds the final text.
                 self._final = final
                 self._engine_strong = None  # see __init__
                 self._anchor = None
+            # The one reference swap, after the final output is set (done() reads the
+            # view: once it is True, final_output and result() have the final output)
+            # and before the waiters wake (a consumer that takes an output finds a view
+            # at least as new).
+            self._view = view
             self._cond.notify_all()
             wakers, self._wakers = self._wakers, []
             callbacks = list(self._done_callbacks) if final is not None else []

@@ -88,11 +88,14 @@ def test_snapshots_read_on_another_thread_are_each_one_delivery(
         for i in range(12)
     ]
     seen: list[tuple[nb.RequestHandle, dict[str, Any]]] = []
+    done_without_final: list[str] = []
     stop = threading.Event()
 
     def read() -> None:
         for h in handles:
             seen.append((h, h.snapshot()))
+            if h.done() and (h.final_output is None or not h.view.finished):
+                done_without_final.append(h.request_id)
 
     reader = _watch(read, stop)
     try:
@@ -109,6 +112,7 @@ def test_snapshots_read_on_another_thread_are_each_one_delivery(
         for h in handles
     }
     assert len(seen) > len(handles)  # the reader saw the requests while they streamed
+    assert done_without_final == []  # done() implies the final output and view
     for h, snap in seen:
         _check_snapshot(snap, finals[h.request_id], visible[h.request_id], h.request_id)
     for h in handles:  # and the handle's own readers agree with its final output
