@@ -6,7 +6,7 @@ every 0.1 s (so SIGINT reaches the main thread and a dead engine is noticed). As
 waits register a waker that resumes the consumer's own event loop thread-safely
 (asyncio ``loop.call_soon_threadsafe`` / trio ``token.run_sync_soon``), detected with
 ``sniffio``. State readers (``text``, ``token_ids``, ``status``, ``view``,
-``snapshot()``) take no lock: they read the one immutable ``RequestView`` that each
+``snapshot()``, ``done()``) take no lock: they read the one immutable ``RequestView`` that each
 delivery publishes by a reference swap (request_view.py; docs/architecture.md, "The
 output path"), never the loop's own request state.
 
@@ -123,8 +123,8 @@ class RequestHandle:
     per handle); leaving the loop early cancels the request. ``h.result()`` /
     ``await h`` return the final output. ``h.cancel()`` aborts this incarnation and
     returns its final output. ``h.text``, ``h.token_ids``, ``h.status``, ``h.view``,
-    ``h.snapshot()`` and ``h.done()`` may be read from any thread at any time: all but
-    ``done()`` read the one ``RequestView`` the latest delivery published.
+    ``h.snapshot()`` and ``h.done()`` may be read from any thread at any time: they all
+    read the one ``RequestView`` the latest delivery published.
     """
 
     def __init__(
