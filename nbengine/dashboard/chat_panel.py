@@ -342,7 +342,8 @@ class ChatPanel(widgets.VBox):
             self._guard(self.send)
 
     def _params(self) -> SamplingParams:
-        # FINAL_ONLY: the panel reads the live text (handle.snapshot), not the stream.
+        # FINAL_ONLY: the panel reads the handle's view (refreshed on every token update),
+        # not the stream.
         return self._base.replace(
             temperature=float(self.temperature.value),
             max_tokens=int(self.max_tokens.value),
@@ -433,29 +434,29 @@ class _ReplyView:
         self.reply = reply
 
     def refresh(self) -> bool:
-        snap = self.handle.snapshot()
-        n = int(snap["num_output_tokens"])
-        first, last = snap["first_token_time"], snap["last_token_time"]
+        """Show the reply's latest view (one delivery: its text, count and finish)."""
+        view = self.handle.view
+        n = view.num_output_tokens
+        first, last = view.first_token_time, view.last_token_time
         rate = (
             (n - 1) / (last - first)
             if (first is not None and last is not None and n > 1 and last > first)
             else None
         )
         finish: str | None = None
-        if snap["finished"]:
-            outputs = snap["outputs"]
-            finish = outputs[0]["finish_reason"] if outputs else "error"
-            finish = finish or "error"
-        text = snap["text"]
+        if view.finished:
+            comps = view.completions
+            finish = (comps[0].finish_reason if comps else None) or "error"
+        text = view.text
         calls: list[ToolCall] = []
-        final = self.handle.final_output if snap["finished"] else None
+        final = self.handle.final_output if view.finished else None
         if final is not None and final.outputs and final.outputs[0].tool_calls:
             calls = final.outputs[0].tool_calls
             text = final.outputs[0].content or ""  # the call text shows as the calls
             self.set_trait(self.reply.calls, "value", _tool_calls_html(calls))
         self.set_trait(self.reply.text, "value", text)
         self.set_trait(self.reply.stats, "value", _stats_html(n, rate, finish))
-        if snap["finished"]:
+        if view.finished:
             self.finish(self.handle, text, finish, calls)
             return True
         return False
