@@ -35,7 +35,7 @@ from nbengine.bench.machine import (
     physical_cores,
     workload_bound,
 )
-from nbengine.bench.report import median_run, spread_warnings, targets
+from nbengine.bench.report import load_figures, median_run, spread_warnings, targets
 from nbengine.bench.worker import Job
 from nbengine.bench.workloads import bench_model_dir, make_workloads, scaled
 
@@ -159,6 +159,7 @@ class _Run:
             },
             "machine": machine,
             "results": results,
+            "load": load_figures(results),
             "bounds": bounds,
             "abort": abort,
             "engine_errors": self.errors,
