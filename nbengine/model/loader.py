@@ -19,6 +19,9 @@ it, else float16 (as vLLM does).
 from __future__ import annotations
 
 import logging
+import mmap
+import struct
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -32,13 +35,18 @@ from torch import nn
 from nbengine.config import ModelConfig
 from nbengine.model.config_check import check_hf_config, check_inside
 from nbengine.model.errors import ModelLoadError
-from nbengine.model.files import is_regular_file, read_json
+from nbengine.model.files import is_regular_file, open_regular, read_json
 from nbengine.model.gemma import GEMMA_ACTIVATIONS, GEMMA_ARCHITECTURES, GemmaArgs, GemmaForCausalLM
 from nbengine.model.gpt2 import GPT2Args, GPT2LMHeadModel
 from nbengine.model.llama import DecoderArgs, LlamaForCausalLM
 from nbengine.model.progress import LoadProgress
 from nbengine.model.tokenizer import Tokenizer
-from nbengine.model.weights import WeightMap, WeightSource, read_safetensors_header
+from nbengine.model.weights import (
+    TensorEntry,
+    WeightMap,
+    WeightSource,
+    read_safetensors_header,
+)
 from nbengine.model.windows import kv_window
 from nbengine.ops.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 
@@ -62,6 +70,8 @@ ModelModule: TypeAlias = LlamaForCausalLM | GemmaForCausalLM | GPT2LMHeadModel
 _M = TypeVar("_M", bound=nn.Module)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# safetensors dtype -> the torch dtype a mapped view of it has (model/weights.py).
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -305,9 +315,12 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 class _Checkpoint:
-    """The weight files of a model directory, opened: safetensors maps each file, and a
-    tensor (or a slice of its rows) is read from the mapping when asked for, so a load
-    holds one tensor beside the model at a time, never a copy of the whole file.
+    """The weight files of a model directory, opened. A tensor (or a slice of its rows)
+    is read when asked for, so a load holds at most one tensor beside the model, never
+    a copy of the whole file: float32, bfloat16 and float16 tensors are read from the
+    file straight into their destination (``read_into``: no mapping whose touched pages
+    would count as the process's memory, no intermediate copy), other dtypes through
+    safetensors.
 
     Each file's header is checked whole (``read_safetensors_header``) before safetensors
     opens it; a tensor torch cannot read is a ``ModelLoadError`` naming file and tensor.
@@ -317,8 +330,16 @@ class _Checkpoint:
         self.path = path
         self.files = files
         self.where: dict[str, tuple[Any, Path]] = {}
+        self._mappings: dict[Path, tuple[mmap.mmap, int]] = {}
+        self.entries: dict[str, tuple[TensorEntry, Path]] = {}
+        # Each file, open, with the byte at which its tensors' data starts.
+        self._open: dict[Path, tuple[Any, int]] = {}
         for f in files:
-            read_safetensors_header(f)
+            for name, entry in read_safetensors_header(f).items():
+                self.entries[name] = (entry, f)
+            raw = stack.enter_context(open_regular(f))
+            (length,) = struct.unpack("<Q", raw.read(8))
+            self._open[f] = (raw, 8 + length)
             try:
                 handle = stack.enter_context(safe_open(str(f), framework="pt"))
             except Exception as exc:  # safetensors raises its own error types
@@ -346,9 +367,54 @@ class _Checkpoint:
                 f"from config.json in {str(self.path)!r}."
             )
 
+    def _direct(self, name: str) -> tuple[TensorEntry, Path, torch.dtype] | None:
+        """The entry, file and torch dtype of ``name`` when ``read_into`` can read it."""
+        entry, file = self.entries[name]
+        dtype = _TORCH_DTYPES.get(entry.dtype)
+        if dtype is None or sys.byteorder != "little":
+            return None
+        return entry, file, dtype
+
+    def _read(self, file: Path, offset: int, out: torch.Tensor) -> None:
+        """Fill the contiguous ``out`` with the bytes of ``file`` from ``offset`` on (of
+        its data)."""
+        raw, data_start = self._open[file]
+        view = out.view(torch.uint8).view(-1).numpy().data
+        raw.seek(data_start + offset)
+        done = 0
+        while done < len(view):
+            n = raw.readinto(view[done:])
+            if not n:
+                raise ModelLoadError(f"Weight file {file} ended early (is it truncated?).")
+            done += n
+
+    def read_into(self, src: WeightSource, out: torch.Tensor) -> bool:
+        """Read ``src`` straight into ``out`` (contiguous, its shape checked) when the
+        file holds it in ``out``'s dtype and layout; False (nothing read) otherwise."""
+        name, _, _ = self._locate(src)
+        direct = self._direct(name)
+        if direct is None or src.transpose or not out.is_contiguous():
+            return False
+        entry, file, dtype = direct
+        if dtype != out.dtype:
+            return False
+        self._check_shape(src, entry.shape, tuple(out.shape))
+        if out.numel():
+            self._read(file, entry.begin, out)
+        return True
+
     def tensor(self, src: WeightSource, want: tuple[int, ...]) -> torch.Tensor:
         """The tensor of ``src`` (transposed where it says so), checked to be ``want``."""
         name, handle, file = self._locate(src)
+        direct = self._direct(name)
+        if direct is not None:
+            entry, _, dtype = direct
+            shape = entry.shape[::-1] if src.transpose and len(entry.shape) == 2 else entry.shape
+            self._check_shape(src, shape, want)
+            t = torch.empty(entry.shape, dtype=dtype)
+            if t.numel():
+                self._read(file, entry.begin, t)
+            return t.t() if src.transpose and t.dim() == 2 else t
         try:
             t = handle.get_tensor(name)
         except Exception as exc:  # e.g. a safetensors dtype torch has no type for
@@ -360,6 +426,33 @@ class _Checkpoint:
         self._check_shape(src, tuple(t.shape), want)
         return t
 
+    def mapped(self, src: WeightSource, like: torch.Tensor) -> torch.Tensor | None:
+        """The tensor of ``src`` as a view of its file, mapped copy-on-write (pages are
+        read when first touched; a write stays in this process), when it can stand for
+        ``like`` as it is: the whole tensor, same shape and dtype, not transposed, on a
+        little-endian host. None otherwise (then it is copied)."""
+        name, _, _ = self._locate(src)
+        entry, file = self.entries[name]
+        if (
+            src.transpose
+            or src.offset != 0
+            or sys.byteorder != "little"
+            or _TORCH_DTYPES.get(entry.dtype) != like.dtype
+            or entry.shape != tuple(like.shape)
+            or entry.end == entry.begin
+        ):
+            return None
+        mapping = self._mappings.get(file)
+        if mapping is None:
+            with open_regular(file) as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                mapping = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), 8 + length)
+            self._mappings[file] = mapping
+        buf, data_start = mapping
+        count = (entry.end - entry.begin) // like.element_size()
+        t = torch.frombuffer(buf, dtype=like.dtype, count=count, offset=data_start + entry.begin)
+        return t.view(like.shape)
+
     def row_slices(
         self, src: WeightSource, want: tuple[int, ...], rows: int
     ) -> Iterator[torch.Tensor]:
@@ -369,6 +462,17 @@ class _Checkpoint:
             yield self.tensor(src, want)
             return
         name, handle, file = self._locate(src)
+        direct = self._direct(name)
+        if direct is not None:
+            entry, _, dtype = direct
+            self._check_shape(src, entry.shape, want)
+            row_bytes = (entry.end - entry.begin) // max(1, want[0])
+            for start in range(0, want[0], rows):
+                part = torch.empty((min(want[0], start + rows) - start, *want[1:]), dtype=dtype)
+                if part.numel():
+                    self._read(file, entry.begin + start * row_bytes, part)
+                yield part
+            return
         try:
             sl = handle.get_slice(name)
             shape = tuple(sl.get_shape())
@@ -386,9 +490,19 @@ class _Checkpoint:
                 ) from exc
 
 
-def _fill(ckpt: _Checkpoint, param: torch.Tensor, sources: list[WeightSource]) -> None:
-    """Copy ``param``'s rows from the checkpoint, converting to its dtype."""
+def _fill(
+    ckpt: _Checkpoint, param: torch.Tensor, sources: list[WeightSource], map_ok: bool
+) -> None:
+    """Fill ``param`` from the checkpoint: with ``map_ok``, as a view of the mapped file
+    where ``_Checkpoint.mapped`` allows; else its rows copied, converted to its dtype."""
+    if map_ok and len(sources) == 1:
+        view = ckpt.mapped(sources[0], param)
+        if view is not None:
+            param.data = view
+            return
     for src in sources:
+        if ckpt.read_into(src, param.data[src.offset : src.offset + src.rows]):
+            continue  # read in place: no copy beside it
         t = ckpt.tensor(src, (src.rows, *param.shape[1:]))
         try:
             with torch.no_grad():
@@ -429,15 +543,24 @@ def load_weights(
                 len(weight_map) + len(targets) - len(from_file), "Loading weights", progress
             )
         )
+        mappable = _mappable(model)
         for ours, sources in weight_map.items():
             if ours in from_file:
                 continue  # quantized straight from the file below
-            _fill(ckpt, params[ours], sources)
+            _fill(ckpt, params[ours], sources, ours in mappable)
             bar.update()
         missing = set(params) - set(weight_map)
         assert not missing, f"parameters without a source: {sorted(missing)}"
         if quantization is not None:
             _quantize(model, targets, weight_map, ckpt, quantization, dtype, bar)
+
+
+def _mappable(model: nn.Module) -> set[str]:
+    """The parameters read as views of the mapped file where dtype and layout allow: the
+    embedding tables. Only the rows a prompt looks up are then read from the file (a
+    128k-vocabulary table is a fifth of a 1B model), and nothing writes to them (a
+    packed or quantized tied head makes its own copy: ops/linear.py, ops/quant.py)."""
+    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
 
 
 def _quant_targets(model: nn.Module) -> list[tuple[str, nn.Linear]]:
