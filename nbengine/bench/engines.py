@@ -98,8 +98,7 @@ class NbengineDriver:
         engine = Engine(str(self.model_dir), **kw)
         if self.first_load is None:
             self.first_load = {"ready_time": time.time(), **process_memory()}
-            runner = getattr(getattr(engine, "_core", None), "runner", None)
-            plan = getattr(runner, "memory_plan", None)  # in-process engines only
+            plan = engine.memory_plan  # in-process engines only
             if plan is not None:
                 self.first_load["weights_bytes"] = plan.weights_bytes
                 self.first_load["kv_cache_bytes"] = plan.kv_cache_bytes

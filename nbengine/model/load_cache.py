@@ -30,13 +30,12 @@ import logging
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from nbengine.model.files import open_regular
+from nbengine.model.weights import TensorEntry, read_safetensors_header
 
 __all__ = ["CACHE_FORMAT", "LoadCache", "cache_root", "checkpoint_identity"]
 
@@ -57,6 +56,51 @@ def cache_root() -> Path | None:
         return Path(where).expanduser()
     base = os.environ.get("NBENGINE_CACHE") or Path.home() / ".cache" / "nbengine"
     return Path(base).expanduser() / "quantized"
+
+
+# The dtypes of an entry's tensors, as safetensors names them.
+_CODES = {torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16", torch.float32: "F32"}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` as a safetensors file, each one's bytes straight from its memory
+    (no serialised copy of the whole entry first)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _CODES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [at, at + n],
+        }
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.contiguous().view(torch.uint8).view(-1).numpy().data)
+
+
+def _read(f: BinaryIO, data_start: int, entry: TensorEntry, shape: torch.Size) -> torch.Tensor:
+    """The tensor of ``entry`` read from the open entry file ``f``, checked to be ``shape``."""
+    dtype = _DTYPES.get(entry.dtype)
+    if dtype is None or torch.Size(entry.shape) != shape:
+        raise ValueError(f"a tensor is {entry.dtype} {list(entry.shape)}, expected {list(shape)}")
+    t = torch.empty(shape, dtype=dtype)
+    view = t.view(torch.uint8).view(-1).numpy().data
+    f.seek(data_start + entry.begin)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])  # type: ignore[attr-defined]
+        if not n:
+            raise ValueError("the file ends early")
+        done += n
+    return t
 
 
 def _header_hash(path: Path) -> str:
@@ -116,11 +160,12 @@ class LoadCache:
             return None
         out: Quantized = {}
         try:
-            with safe_open(str(target), framework="pt") as f:
+            entries = read_safetensors_header(target)
+            with open_regular(target) as f:
+                (length,) = struct.unpack("<Q", f.read(8))
                 for name, (q_shape, s_shape) in shapes.items():
-                    q, s = f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales")
-                    if q.shape != q_shape or s.shape != s_shape:
-                        raise ValueError(f"{name}: shapes {q.shape}, {s.shape} do not fit")
+                    q = _read(f, 8 + length, entries[f"{name}.qweight"], q_shape)
+                    s = _read(f, 8 + length, entries[f"{name}.scales"], s_shape)
                     out[name] = (q, s)
         except Exception as exc:  # a damaged or foreign entry: a miss, and removed
             logger.warning("Load cache entry %s is unusable (%s); quantizing again.", target, exc)
@@ -143,7 +188,7 @@ class LoadCache:
             tensors: dict[str, torch.Tensor] = {}
             for name, (q, s) in quantized.items():
                 tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = q, s
-            save_file(tensors, str(tmp), metadata={"key": self.key})
+            _write(tmp, tensors, {"key": self.key})
             tmp.replace(target)
             meta = {"model": self.model, "identity": self.identity, "options": self.options}
             self._meta_file().write_text(json.dumps(meta, indent=1))

@@ -453,6 +453,16 @@ class _Checkpoint:
         t = torch.frombuffer(buf, dtype=like.dtype, count=count, offset=data_start + entry.begin)
         return t.view(like.shape)
 
+    def release_pages(self) -> None:
+        """Drop this process's pages of the mapped views (``mapped``) that the load
+        touched (a tied head quantized from the embedding reads all of it); they are
+        read again from the file when used. Only while nothing has written to them: a
+        dropped page written copy-on-write would lose the write (the load writes none)."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        for buf, _ in self._mappings.values():
+            if advice is not None:
+                buf.madvise(advice)
+
     def row_slices(
         self, src: WeightSource, want: tuple[int, ...], rows: int
     ) -> Iterator[torch.Tensor]:
@@ -553,6 +563,7 @@ def load_weights(
         assert not missing, f"parameters without a source: {sorted(missing)}"
         if quantization is not None:
             _quantize(model, targets, weight_map, ckpt, quantization, dtype, bar)
+        ckpt.release_pages()  # nothing has written to the mapped views yet
 
 
 def _mappable(model: nn.Module) -> set[str]:
