@@ -31,7 +31,7 @@ PHASES = (
     ("read weights (cache)", "model/load_cache.py", "restore"),
     ("store cache", "model/load_cache.py", "store"),
     ("quantize", "ops/quant.py", "quantize_linears"),
-    ("quantize (tensor by tensor)", "model/loader.py", "_quantize_from_file"),
+    ("quantize (tensor by tensor, inside read + copy)", "model/loader.py", "_quantize"),
     ("pack for native kernels", "ops/linear.py", "pack_linears"),
     ("check packing (_agrees)", "ops/linear.py", "_agrees"),
     ("native kernel build/load", "ops/native.py", "kernels"),
