@@ -402,6 +402,13 @@ class Engine(NotebookFacade):
         )
 
     @property
+    def memory_plan(self) -> Any:
+        """The memory plan of an in-process engine (a ``MemoryPlan``: weights, KV cache
+        and what was free; model/memory_plan.py), None for other backends."""
+        runner = getattr(getattr(self._client, "core", None), "runner", None)
+        return getattr(runner, "memory_plan", None)
+
+    @property
     def dtype(self) -> str:
         """The dtype the model runs in (``dtype="auto"`` resolved: docs/models.md)."""
         return self.config.model.dtype
