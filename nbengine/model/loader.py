@@ -39,7 +39,7 @@ from nbengine.model.files import is_regular_file, open_regular, read_json
 from nbengine.model.gemma import GEMMA_ACTIVATIONS, GEMMA_ARCHITECTURES, GemmaArgs, GemmaForCausalLM
 from nbengine.model.gpt2 import GPT2Args, GPT2LMHeadModel
 from nbengine.model.llama import DecoderArgs, LlamaForCausalLM
-from nbengine.model.progress import LoadProgress
+from nbengine.model.progress import LoadProgress, progress_enabled
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.model.weights import (
     TensorEntry,
@@ -550,7 +550,11 @@ def load_weights(
         ckpt = _Checkpoint(files, path, stack)
         bar = stack.enter_context(
             LoadProgress(
-                len(weight_map) + len(targets) - len(from_file), "Loading weights", progress
+                len(weight_map) + len(targets) - len(from_file),
+                "Loading weights",
+                progress_enabled(sum(f.stat().st_size for f in files))
+                if progress is None
+                else progress,
             )
         )
         mappable = _mappable(model)

@@ -2,9 +2,11 @@
 terminal; docs/models.md, "Loading").
 
 Shown only where someone watches: on the main thread of an interactive process (a
-Jupyter kernel, or stderr a terminal), and unless ``NBENGINE_PROGRESS=0`` asks it off.
-Never from another thread (an engine's threads, a server's workers): their output would
-land in whichever notebook cell runs next.
+Jupyter kernel, or stderr a terminal), and only for a checkpoint big enough to make them
+wait (``MIN_BYTES``: a small model loads in well under a second, and a bar that flashes
+by is noise in a notebook's output). ``NBENGINE_PROGRESS=0`` asks it off,
+``NBENGINE_PROGRESS=1`` on for any size. Never from another thread (an engine's threads,
+a server's workers): their output would land in whichever notebook cell runs next.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import threading
 from types import TracebackType
 from typing import Any
 
-__all__ = ["LoadProgress", "progress_enabled"]
+__all__ = ["MIN_BYTES", "LoadProgress", "progress_enabled"]
+
+# The checkpoint size from which a load shows its bar unasked (about a second's read).
+MIN_BYTES = 256 * 1024 * 1024
 
 
 def _in_kernel() -> bool:
@@ -27,9 +32,10 @@ def _in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def progress_enabled() -> bool:
-    """Whether a load here shows its progress bar (module docstring)."""
-    if os.environ.get("NBENGINE_PROGRESS", "1") == "0":
+def progress_enabled(nbytes: int) -> bool:
+    """Whether a load of a ``nbytes`` checkpoint here shows its bar (module docstring)."""
+    asked = os.environ.get("NBENGINE_PROGRESS", "")
+    if asked == "0" or (asked != "1" and nbytes < MIN_BYTES):
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
@@ -39,9 +45,9 @@ def progress_enabled() -> bool:
 class LoadProgress:
     """A context manager counting the tensors of a load; a no-op when disabled."""
 
-    def __init__(self, total: int, desc: str, enabled: bool | None = None) -> None:
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
         self._bar: Any = None
-        if enabled if enabled is not None else progress_enabled():
+        if enabled:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit="tensor", leave=False)
