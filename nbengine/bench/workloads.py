@@ -58,28 +58,31 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
+
+def _llama32(hidden: int, layers: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """A Llama 3.2 config.json: the sizes vary, the rest is the family's."""
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": head_dim,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_ROPE,
+        "rms_norm_eps": 1e-5,
+    }
+
+
 # Name -> (make_tiny_model arch, config.json fields): the dimensions of each real model
 # (from its config.json on the Hub), with random weights. The tokenizer is the tiny
 # test one; ids past it are placeholders (the workloads are token ids).
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2-135m": ("llama", SMOLLM2_135M),
-    "llama-3.2-1b": (
-        "llama",
-        {
-            "hidden_size": 2048,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 64,
-            "intermediate_size": 8192,
-            "vocab_size": 128256,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 131072,
-            "rope_theta": 500000.0,
-            "rope_scaling": _LLAMA3_ROPE,
-            "rms_norm_eps": 1e-5,
-        },
-    ),
+    "llama-3.2-1b": ("llama", _llama32(hidden=2048, layers=16, heads=32, head_dim=64)),
     "qwen2.5-1.5b": (
         "qwen2",
         {
@@ -95,23 +98,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "rms_norm_eps": 1e-6,
         },
     ),
-    "llama-3.2-3b": (
-        "llama",
-        {
-            "hidden_size": 3072,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 24,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "intermediate_size": 8192,
-            "vocab_size": 128256,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 131072,
-            "rope_theta": 500000.0,
-            "rope_scaling": _LLAMA3_ROPE,
-            "rms_norm_eps": 1e-5,
-        },
-    ),
+    "llama-3.2-3b": ("llama", _llama32(hidden=3072, layers=28, heads=24, head_dim=128)),
 }
 DEFAULT_SHAPE = "smollm2-135m"
 
