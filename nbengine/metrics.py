@@ -71,6 +71,7 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "arrival_time",
     "finished_time",
     "replica",
+    "spec_accepted_tokens",
 )
 STEP_COLUMNS: tuple[str, ...] = (
     "step",
@@ -88,6 +89,8 @@ STEP_COLUMNS: tuple[str, ...] = (
     "preemptions",
     "prefix_cache_hit_rate",
     "replica",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
 )
 
 
@@ -117,6 +120,7 @@ class RequestSummary(RequestTimings):
     itl_recent: deque[float] = field(default_factory=deque)
     replica: int | None = None  # the engine core that served it (backend="ray"); None in-process
     constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
+    spec_accepted_tokens: int = 0  # speculative drafts accepted (docs/speculative-decoding.md)
 
     @property
     def finished(self) -> bool:
@@ -162,6 +166,7 @@ class RequestRow:
     finished_time: float | None
     replica: int | None = None
     constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
+    spec_accepted_tokens: int = 0
 
 
 def _row(s: RequestSummary) -> RequestRow:
@@ -183,6 +188,7 @@ def _row(s: RequestSummary) -> RequestRow:
         finished_time=s.finished_time,
         replica=s.replica,
         constraint=s.constraint,
+        spec_accepted_tokens=s.spec_accepted_tokens,
     )
 
 
@@ -312,6 +318,14 @@ class MetricsLog:
                 self.total_output_tokens += num_output_tokens - s.output_tokens
                 s.output_tokens = num_output_tokens
         self._version += 1
+
+    def on_spec_accepted(self, key: str, num_accepted: int) -> None:
+        """``num_accepted`` more speculative drafts of ``key`` were accepted."""
+        with self._lock:
+            s = self._requests.get(key)
+            if s is not None:
+                s.spec_accepted_tokens += num_accepted
+                self._version += 1
 
     def on_constraint(self, key: str, request_id: str, constraint: str) -> None:
         """``key`` runs under a structured-output constraint (its short description)."""
@@ -466,7 +480,7 @@ class MetricsLog:
             df[c] = df[c].astype("float64")
         for c in ("prompt_tokens", "num_cached_tokens", "replica"):
             df[c] = df[c].astype("Int64")
-        for c in ("output_tokens", "preemptions"):
+        for c in ("output_tokens", "preemptions", "spec_accepted_tokens"):
             df[c] = df[c].astype("int64")
         return df
 
@@ -496,6 +510,8 @@ class MetricsLog:
                 s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
             )
             data["replica"].append(s.replica)
+            data["spec_draft_tokens"].append(s.spec_draft_tokens)
+            data["spec_accepted_tokens"].append(s.spec_accepted_tokens)
         df = pd.DataFrame(data, columns=list(STEP_COLUMNS))
         int_cols = (
             "step",
@@ -508,6 +524,8 @@ class MetricsLog:
             "waiting",
             "preemptions",
             "replica",
+            "spec_draft_tokens",
+            "spec_accepted_tokens",
         )
         for c in int_cols:
             df[c] = df[c].astype("int64")

@@ -225,6 +225,8 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=sched.step_num_preemptions,
+            spec_draft_tokens=batch.num_draft_tokens,
+            spec_accepted_tokens=sched.step_spec_accepted if not batch.is_empty else 0,
         )
         return EngineCoreOutputs(
             outputs=outputs + removed_outputs, finished=finished, events=events, step=stats

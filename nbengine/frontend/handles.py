@@ -247,6 +247,7 @@ class RequestHandle:
             "last_token_time": getattr(metrics, "last_token_time", None),
             "finished_time": getattr(metrics, "finished_time", None),
             "num_preemptions": getattr(metrics, "num_preemptions", 0),
+            "num_spec_accepted_tokens": getattr(metrics, "num_spec_accepted_tokens", 0),
             "error": str(self._error) if self._error is not None else None,
         }
 

@@ -29,12 +29,14 @@ from typing import Any
 import torch
 
 from nbengine.config import EngineConfig
+from nbengine.core.request import Request
 from nbengine.core.scheduler_output import (
     ModelRunnerOutput,
     SampledToken,
     ScheduledChunk,
     SchedulerOutput,
 )
+from nbengine.core.spec_decode import prefix_view
 from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.memory_plan import MemoryPlan, plan_memory
 from nbengine.model.protocol import CausalLM, PlannedDecode
@@ -48,6 +50,7 @@ from nbengine.ops.attention import (
 )
 from nbengine.ops.linear import ONEDNN_MIN_ROWS, pack_linears
 from nbengine.ops.quant import dense_supported
+from nbengine.ops.rejection import accepted_drafts
 from nbengine.ops.sampling import Sampler, topk_logprobs
 from nbengine.ops.staged_sampling import StagedSampling, logprob_pieces, unpack_logprobs
 from nbengine.outputs import PositionLogprobs
@@ -71,7 +74,11 @@ class _Step:
     positions: list[int] = field(default_factory=list)
     specs: list[ChunkSpec] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    # One entry per sample row: its chunk, and the request as the sampler sees it (a
+    # chunk with drafts has one row per verified position: docs/speculative-decoding.md).
     sample_chunks: list[ScheduledChunk] = field(default_factory=list)
+    sample_views: list[Request] = field(default_factory=list)
+    has_drafts: bool = False
     plp_rows: list[int] = field(default_factory=list)
     plp_targets: list[int] = field(default_factory=list)
     plp_ks: list[int] = field(default_factory=list)
@@ -126,7 +133,7 @@ class _PlannedForward(_ModuleForward):
 
     def greedy_tokens(self, step: _Step, args: _ForwardArgs) -> list[int] | None:
         if not self._decode_only(step, args.meta) or not self.sampler.argmax_suffices(
-            [c.request for c in step.sample_chunks]
+            step.sample_views
         ):
             return None
         return self.planned.decode_greedy(args.input_ids, args.positions, args.meta, args.kv_caches)
@@ -280,31 +287,60 @@ class ModelRunner:
             )
             tokens = forward.greedy_tokens(step, args)
             if tokens is not None:
-                for c, tok in zip(step.sample_chunks, tokens):
-                    out.sampled[c.request.request_id] = SampledToken(tok, None)
+                self._sampled(step, tokens, [None] * len(tokens), out)
                 return out
             logits = forward.logits(step, args)
             if logits is None:  # only intermediate prefill chunks: nothing to sample
                 return out
             n_s = len(step.sample_rows)
-            sample_chunks = step.sample_chunks
-            tokens, lps = self.sampler(logits[:n_s], [c.request for c in sample_chunks])
-            for c, tok, lp in zip(sample_chunks, tokens, lps):
-                out.sampled[c.request.request_id] = SampledToken(tok, lp)
+            tokens, lps = self.sampler(logits[:n_s], step.sample_views)
+            self._sampled(step, tokens, lps, out)
             if step.plp_spans:
                 plp = topk_logprobs(logits[n_s:].log_softmax(dim=-1), step.plp_targets, step.plp_ks)
                 self._prompt_logprobs(step, plp, out)
         return out
 
+    @staticmethod
+    def _sampled(
+        step: _Step,
+        tokens: list[int],
+        lps: list[PositionLogprobs | None],
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Hand each sampling chunk its token; a chunk with drafts its verified run (the
+        accepted drafts and the token sampled after them, ops/rejection.py)."""
+        if not step.has_drafts:
+            for c, tok, lp in zip(step.sample_chunks, tokens, lps):
+                out.sampled[c.request.request_id] = SampledToken(tok, lp)
+            return
+        row = 0
+        chunks = step.sample_chunks
+        while row < len(chunks):
+            c = chunks[row]
+            drafts = c.draft_token_ids
+            if not drafts:
+                out.sampled[c.request.request_id] = SampledToken(tokens[row], lps[row])
+                row += 1
+                continue
+            n = len(drafts) + 1  # the chunk's rows: one per verified position
+            m = accepted_drafts(drafts, tokens[row : row + n])
+            out.spec_sampled[c.request.request_id] = [
+                SampledToken(tokens[row + j], lps[row + j]) for j in range(m + 1)
+            ]
+            row += n
+
     def _flatten(self, batch: SchedulerOutput) -> _Step:
         """The step's chunks flattened (single-token chunks first) into host lists."""
-        chunks: list[ScheduledChunk] = [c for c in batch.chunks if c.num_tokens == 1]
-        chunks += [c for c in batch.chunks if c.num_tokens != 1]
+        chunks: list[ScheduledChunk] = [
+            c for c in batch.chunks if c.num_tokens == 1 and not c.draft_token_ids
+        ]
+        chunks += [c for c in batch.chunks if c.num_tokens != 1 or c.draft_token_ids]
         bs = self.block_size
         step = _Step()
         # Bound once: this loop runs per chunk on every step of the CPU's default path too.
         ids, positions, specs = step.ids, step.positions, step.specs
         sample_rows, sample_chunks = step.sample_rows, step.sample_chunks
+        sample_views = step.sample_views
         max_len = self.max_model_len
         row = 0
         for c in chunks:
@@ -315,11 +351,30 @@ class ModelRunner:
             assert len(c.block_table) * bs >= end, "block table too short for the chunk"
             assert end <= max_len, "chunk beyond max_model_len"
             ids.extend(req.all_token_ids[c.start_pos : end])
+            drafts = c.draft_token_ids
+            if drafts:
+                # Speculative decoding: the drafts follow the decoded token in the chunk,
+                # and every one of the 1 + len(drafts) positions samples.
+                n = len(drafts)
+                assert c.num_tokens == 1 and c.sample, "drafts only follow a decode"
+                assert len(c.block_table) * bs >= end + n, "block table too short for drafts"
+                assert end + n <= max_len, "drafts beyond max_model_len"
+                ids.extend(drafts)
+                positions.extend(range(c.start_pos, end + n))
+                specs.append(ChunkSpec(c.start_pos, 1 + n, c.block_table))
+                step.has_drafts = True
+                for j in range(n + 1):
+                    sample_rows.append(row + j)
+                    sample_chunks.append(c)
+                    sample_views.append(prefix_view(req, drafts[:j]))
+                row += 1 + n
+                continue
             positions.extend(range(c.start_pos, end))
             specs.append(ChunkSpec(c.start_pos, c.num_tokens, c.block_table))
             if c.sample:
                 sample_rows.append(row + c.num_tokens - 1)
                 sample_chunks.append(c)
+                sample_views.append(req)
             k = req.sampling_params.prompt_logprobs
             # Prompt logprobs are produced during the first prefill only (no outputs yet).
             if k is not None and req.num_output_tokens == 0 and c.start_pos < req.num_prompt_tokens:
@@ -354,8 +409,7 @@ class ModelRunner:
         attention = StagedAttention(step.specs, self.block_size, self._windows, stager)
         rows = step.sample_rows + step.plp_rows
         h_rows = stager.ints(rows)
-        requests = [c.request for c in step.sample_chunks]
-        sampling = StagedSampling(self.sampler, requests, self.vocab_size, stager)
+        sampling = StagedSampling(self.sampler, step.sample_views, self.vocab_size, stager)
         plp_ks = [self.vocab_size if k < 0 else k for k in step.plp_ks]
         h_plp = stager.ints(step.plp_targets) if step.plp_rows else -1
         views = self._to_device(stager)
@@ -367,8 +421,7 @@ class ModelRunner:
             return out
         host = self._to_host(result).tolist()
         tokens, lps, at = sampling.unpack(host, 0)
-        for c, tok, lp in zip(step.sample_chunks, tokens, lps):
-            out.sampled[c.request.request_id] = SampledToken(tok, lp)
+        self._sampled(step, tokens, lps, out)
         if step.plp_spans:
             plp, _ = unpack_logprobs(host, at, step.plp_targets, plp_ks)
             self._prompt_logprobs(step, plp, out)

@@ -1,0 +1,96 @@
+"""Speculative decoding's bookkeeping in the core: the n-gram proposer, which requests
+may get drafts, and the per-position views the verifier samples with.
+
+One step of a request with drafts ``d_1..d_k`` (docs/speculative-decoding.md): the
+scheduler computes its last token and the k drafts in one chunk (1 + k positions, their
+slots allocated like any others); the runner samples a token at each of the 1 + k
+positions, each as a normal step would at that prefix (``prefix_view``), and keeps the
+longest run where the sample equals the next draft, plus the sample after it
+(ops/rejection.py). The scheduler then appends exactly those tokens, rolls
+``num_computed_tokens`` back to the kept positions and frees the blocks beyond them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from nbengine.config import SpeculativeConfig
+from nbengine.core.request import Request
+
+__all__ = ["NgramProposer", "may_speculate", "prefix_view"]
+
+
+def may_speculate(request: Request) -> bool:
+    """Whether ``request`` may get drafts at all.
+
+    Everything the sampler applies per position from the request's tokens alone
+    (temperature, top-k/p, min-p, penalties, min_tokens, bad words, logit_bias,
+    allowed tokens, logprobs) is applied exactly at every verified position. State that
+    lives outside the token list cannot be replayed per position: structured outputs'
+    grammar and custom logits processors; such a request gets no drafts and runs exactly
+    as without speculation.
+    """
+    params = request.sampling_params
+    return request.grammar is None and not params.logits_processors
+
+
+def prefix_view(request: Request, drafts: Sequence[int]) -> Request:
+    """The request as the sampler would see it one step later, had it generated
+    ``drafts`` already: same parameters, same generator (its draws stay in order), its
+    output extended by ``drafts``. Never held by the scheduler."""
+    if not drafts:
+        return request
+    seed = request.sampling_params.seed
+    if request.generator is None and seed is not None:
+        # Created on the request itself, so every view draws from the one generator.
+        request.generator = torch.Generator().manual_seed(seed)
+    extra = list(drafts)
+    return Request(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=request.sampling_params,
+        eos_token_ids=request.eos_token_ids,
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+        status=request.status,
+        output_token_ids=request.output_token_ids + extra,
+        all_token_ids=request.all_token_ids + extra,
+        num_computed_tokens=request.num_computed_tokens,
+        generator=request.generator,
+        cache_salt=request.cache_salt,
+    )
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's "ngram" method).
+
+    For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``: find the latest
+    earliest occurrence of the request's last n tokens (prompt and output together) and
+    propose the up to ``num_speculative_tokens`` tokens that followed it. No match: no
+    drafts (the request takes a normal one-token step in the same batch).
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.n_max = config.prompt_lookup_max
+        self.n_min = config.prompt_lookup_min
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``min(k, max_tokens)`` drafts to follow ``token_ids``."""
+        k = min(self.k, max_tokens)
+        length = len(token_ids)
+        if k <= 0 or length <= self.n_min:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            suffix = tokens[length - n :]
+            # Windows starting at 0 .. length - n - 1: every occurrence but the suffix itself.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[0]) + n
+                return [int(t) for t in tokens[start : start + k]]
+        return []
