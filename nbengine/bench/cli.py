@@ -40,7 +40,7 @@ def add_bench_parser(
         default=None,
         help="model directory or Hub id (default: random weights in SmolLM2-135M's shape)",
     )
-    bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
+    bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3,W4")
     bench.add_argument(
         "--engines",
         default="nbengine,hf_static,hf_cb",

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
+from array import array
+
 import torch
 
 from nbengine.config import SpeculativeConfig
 from nbengine.core.request import Request
 
 __all__ = ["NgramProposer", "may_speculate", "prefix_view"]
+
+_WORD = "i"  # token ids as 4-byte words (every vocabulary is far below 2**31)
+assert array(_WORD).itemsize == 4
 
 
 def may_speculate(request: Request) -> bool:
@@ -84,13 +88,15 @@ class NgramProposer:
         length = len(token_ids)
         if k <= 0 or length <= self.n_min:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        # Byte search (C speed) over the ids as 4-byte words; a hit must be word-aligned.
+        data = array(_WORD, token_ids).tobytes()
+        limit = (length - 1) * 4  # matches end before the last token: never the suffix itself
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
-            suffix = tokens[length - n :]
-            # Windows starting at 0 .. length - n - 1: every occurrence but the suffix itself.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[0]) + n
-                return [int(t) for t in tokens[start : start + k]]
+            pattern = data[(length - n) * 4 :]
+            at = data.find(pattern, 0, limit)
+            while at >= 0 and at % 4:
+                at = data.find(pattern, at + 1, limit)
+            if at >= 0:
+                start = at // 4 + n
+                return list(token_ids[start : start + k])
         return []

@@ -331,10 +331,8 @@ class ModelRunner:
 
     def _flatten(self, batch: SchedulerOutput) -> _Step:
         """The step's chunks flattened (single-token chunks first) into host lists."""
-        chunks: list[ScheduledChunk] = [
-            c for c in batch.chunks if c.num_tokens == 1 and not c.draft_token_ids
-        ]
-        chunks += [c for c in batch.chunks if c.num_tokens != 1 or c.draft_token_ids]
+        chunks: list[ScheduledChunk] = [c for c in batch.chunks if c.num_tokens == 1]
+        chunks += [c for c in batch.chunks if c.num_tokens != 1]
         bs = self.block_size
         step = _Step()
         # Bound once: this loop runs per chunk on every step of the CPU's default path too.
@@ -353,17 +351,21 @@ class ModelRunner:
             ids.extend(req.all_token_ids[c.start_pos : end])
             drafts = c.draft_token_ids
             if drafts:
-                # Speculative decoding: the drafts follow the decoded token in the chunk,
-                # and every one of the 1 + len(drafts) positions samples.
+                # Speculative decoding: the drafts follow the decoded token, each position
+                # a one-token row of its own (a decode at that position). Every layer
+                # writes the step's K/V before it attends (ops/attention_kernels.py,
+                # the decode plan's kernel alike), so row j sees the rows before it
+                # exactly as a chunk would, and a step of decodes and drafts stays a
+                # decode step (the decode plan's fast path). Every row samples.
                 n = len(drafts)
                 assert c.num_tokens == 1 and c.sample, "drafts only follow a decode"
                 assert len(c.block_table) * bs >= end + n, "block table too short for drafts"
                 assert end + n <= max_len, "drafts beyond max_model_len"
                 ids.extend(drafts)
                 positions.extend(range(c.start_pos, end + n))
-                specs.append(ChunkSpec(c.start_pos, 1 + n, c.block_table))
                 step.has_drafts = True
                 for j in range(n + 1):
+                    specs.append(ChunkSpec(c.start_pos + j, 1, c.block_table))
                     sample_rows.append(row + j)
                     sample_chunks.append(c)
                     sample_views.append(prefix_view(req, drafts[:j]))
