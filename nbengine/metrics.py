@@ -227,6 +227,9 @@ class MetricsLog:
         self.start_time = time.monotonic()
         self.total_events = 0  # ever recorded, including dropped ones
         self.total_output_tokens = 0
+        # Speculative decoding, over every step seen (docs/speculative-decoding.md).
+        self.total_spec_draft_tokens = 0
+        self.total_spec_accepted_tokens = 0
 
     # ------------------------------------------------------------------ writers
     # Called on the engine loop thread only.
@@ -363,6 +366,8 @@ class MetricsLog:
         with self._lock:
             self._steps.append(stats)
             self._latest_by_replica[stats.replica] = stats
+            self.total_spec_draft_tokens += stats.spec_draft_tokens
+            self.total_spec_accepted_tokens += stats.spec_accepted_tokens
             self._version += 1
 
     # ------------------------------------------------------------------ readers

@@ -31,7 +31,7 @@ from nbengine.core.scheduler_output import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from nbengine.core.spec_decode import NgramProposer, may_speculate
+from nbengine.core.spec_decode import DraftBackoff, NgramProposer, may_speculate
 from nbengine.outputs import PositionLogprobs
 from nbengine.request import RequestStatus
 
@@ -89,6 +89,7 @@ class Scheduler:
         spec = config.speculative
         self.proposer: NgramProposer | None = NgramProposer(spec) if spec.enabled else None
         self.step_spec_accepted = 0  # drafts accepted in the latest update_from_output()
+        self.spec_backoff = DraftBackoff()
 
     # ---- queries --------------------------------------------------------------------
     @property
@@ -141,6 +142,7 @@ class Scheduler:
         self.requests.pop(rid, None)
         self._prompt_lp_sent.pop(rid, None)
         self._admit_seq.pop(rid, None)
+        self.spec_backoff.forget(rid)
         self._set_status(request, status)
         self.kv.free(request, forget=True)
         if output is None:
@@ -353,6 +355,7 @@ class Scheduler:
             request.num_tokens - request.num_computed_tokens != 1
             or request.num_computed_tokens < request.num_prompt_tokens  # a prefill's end
             or not may_speculate(request)
+            or not self.spec_backoff.allows(request.request_id)
         ):
             return []
         room = min(budget - 1, min(self.max_model_len, self.pool_tokens) - request.num_tokens - 1)
@@ -441,6 +444,7 @@ class Scheduler:
                 break
         accepted = min(appended, len(kept) - 1)  # drafts kept (the last may be the bonus)
         out.num_spec_accepted = accepted
+        self.spec_backoff.record(rid, len(kept) - 1)
         self.step_spec_accepted += accepted
         # K/V is kept for the decoded token and the accepted drafts; the newest token has
         # none yet. The blocks beyond those positions (rejected drafts' slots) are freed,

@@ -21,7 +21,7 @@ import torch
 from nbengine.config import SpeculativeConfig
 from nbengine.core.request import Request
 
-__all__ = ["NgramProposer", "may_speculate", "prefix_view"]
+__all__ = ["DraftBackoff", "NgramProposer", "may_speculate", "prefix_view"]
 
 _WORD = "i"  # token ids as 4-byte words (every vocabulary is far below 2**31)
 assert array(_WORD).itemsize == 4
@@ -100,3 +100,37 @@ class NgramProposer:
                 start = at // 4 + n
                 return list(token_ids[start : start + k])
         return []
+
+
+class DraftBackoff:
+    """Fewer wasted verifications: after a step whose drafts were all rejected, the
+    request proposes nothing for 1, then 2, 4, ... up to ``max_skip`` lookups; an
+    accepted draft resets it. A verified step costs more than a plain decode (more rows
+    through the model and the sampler), so a stream whose lookups keep failing (W2,
+    docs/benchmarks.md) decodes nearly as without speculation. Outputs never depend on
+    it: only which steps carry drafts does."""
+
+    def __init__(self, max_skip: int = 16) -> None:
+        self.max_skip = max_skip
+        self._skip: dict[str, tuple[int, int]] = {}  # key -> (lookups left to skip, penalty)
+
+    def allows(self, request_id: str) -> bool:
+        """Whether ``request_id`` may look up drafts now (counts one skipped lookup)."""
+        state = self._skip.get(request_id)
+        if state is None or state[0] == 0:
+            return True
+        self._skip[request_id] = (state[0] - 1, state[1])
+        return False
+
+    def record(self, request_id: str, num_accepted: int) -> None:
+        """The outcome of one verification of ``request_id``'s drafts."""
+        if num_accepted:
+            self._skip.pop(request_id, None)
+            return
+        penalty = self._skip.get(request_id, (0, 0))[1]
+        penalty = min(self.max_skip, max(1, 2 * penalty))
+        self._skip[request_id] = (penalty, penalty)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the state of a request that left the core."""
+        self._skip.pop(request_id, None)
