@@ -12,9 +12,8 @@ longest run where the sample equals the next draft, plus the sample after it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from array import array
+from collections.abc import Sequence
 
 import torch
 

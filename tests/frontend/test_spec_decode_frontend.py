@@ -1,9 +1,10 @@
 """Speculative decoding seen from the frontend (docs/speculative-decoding.md).
 
 Stop strings inside an accepted run (several tokens in one core output) truncate there:
-text, tokens and logprobs as with one token per step; ``step_stats()`` and ``request_stats()`` carry the draft and accepted
-counts, as do a handle's metrics; ``LLM`` passes ``speculative_config`` through; the
-abort/re-add race holds with speculation on (the id is reusable at once, exact counts).
+text, tokens and logprobs as with one token per step; ``step_stats()`` and
+``request_stats()`` carry the draft and accepted counts, as do a handle's metrics;
+``LLM`` passes ``speculative_config`` through; the abort/re-add race holds with
+speculation on (the id is reusable at once, exact counts).
 """
 
 from __future__ import annotations
