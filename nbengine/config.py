@@ -230,9 +230,16 @@ class SchedulerConfig:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 """Speculative decoding methods (docs/speculative-decoding.md)."""
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_SPEC_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "dtype",
+)
 
 
 @dataclass(slots=True)
@@ -242,13 +249,17 @@ class SpeculativeConfig:
     ``method`` None: no speculation. "ngram": prompt lookup proposes up to
     ``num_speculative_tokens`` tokens per step from the longest suffix n-gram (of
     ``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens) that occurred earlier in the
-    request's prompt and output.
+    request's prompt and output. "draft_model": the small model ``model`` (a directory
+    or Hub id, of the target's vocabulary) proposes ``num_speculative_tokens`` greedy
+    tokens per step; ``dtype`` None: the target's.
     """
 
     method: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 0
     prompt_lookup_min: int = 0
+    model: str | None = None
+    dtype: str | None = None
 
     @classmethod
     def from_dict(cls, value: object) -> SpeculativeConfig:
@@ -292,7 +303,22 @@ class SpeculativeConfig:
                 f"speculative_config['prompt_lookup_min'] ({lmin}) must not exceed "
                 f"'prompt_lookup_max' ({lmax})."
             )
-        return cls(method, k, lmax, lmin)
+        model = value.get("model")
+        dtype = value.get("dtype")
+        if method == "draft_model":
+            if not isinstance(model, (str, Path)) or not str(model):
+                raise ValueError(
+                    "speculative_config['model'] (a directory or Hub id of the draft model) "
+                    f"is required with method 'draft_model', got {model!r}."
+                )
+            model = str(model)
+        elif model is not None or dtype is not None:
+            raise ValueError(
+                "speculative_config['model'] and ['dtype'] apply only to method 'draft_model'."
+            )
+        if dtype is not None and not isinstance(dtype, str):
+            raise TypeError(f"speculative_config['dtype'] must be a str or None, got {dtype!r}.")
+        return cls(method, k, lmax, lmin, model, dtype)
 
     @property
     def enabled(self) -> bool:

@@ -88,6 +88,11 @@ class EngineCore:
             max_model_len,
             sliding_window=window,
         )
+        if config.speculative.method == "draft_model":
+            # The draft model is the runner's (it loads models); the core only asks it.
+            draft = getattr(self.runner, "draft_proposer", None)
+            assert draft is not None, "a draft_model config needs a runner with a draft model"
+            self.scheduler.proposer = draft
         self.step_count = 0
         self._pending_msgs: deque[EngineCoreMessage] = deque()
         self._mid_step_queue: queue.Queue[EngineCoreMessage] | None = None

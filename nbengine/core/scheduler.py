@@ -31,7 +31,7 @@ from nbengine.core.scheduler_output import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from nbengine.core.spec_decode import DraftBackoff, NgramProposer, may_speculate
+from nbengine.core.spec_decode import DraftBackoff, DraftProposer, NgramProposer, may_speculate
 from nbengine.outputs import PositionLogprobs
 from nbengine.request import RequestStatus
 
@@ -87,7 +87,10 @@ class Scheduler:
         self.total_preemptions = 0
         # Speculative decoding (docs/speculative-decoding.md): None when off.
         spec = config.speculative
-        self.proposer: NgramProposer | None = NgramProposer(spec) if spec.enabled else None
+        # "draft_model": the engine core installs the runner's proposer (model/draft.py).
+        self.proposer: DraftProposer | None = (
+            NgramProposer(spec) if spec.method == "ngram" else None
+        )
         self.step_spec_accepted = 0  # drafts accepted in the latest update_from_output()
         self.spec_backoff = DraftBackoff()
 
@@ -143,6 +146,8 @@ class Scheduler:
         self._prompt_lp_sent.pop(rid, None)
         self._admit_seq.pop(rid, None)
         self.spec_backoff.forget(rid)
+        if self.proposer is not None:
+            self.proposer.forget(rid)
         self._set_status(request, status)
         self.kv.free(request, forget=True)
         if output is None:
@@ -237,6 +242,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, forget computed tokens, wait at the head."""
         self.kv.free(request, forget=False)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)  # a draft model's K/V goes too
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.step_num_preemptions += 1
@@ -364,7 +371,7 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         if room <= 0:
             return []
-        return self.proposer.propose(request.all_token_ids, room)
+        return self.proposer.draft(request.request_id, request.all_token_ids, room)
 
     # ---- after the runner -------------------------------------------------------------
     def update_from_output(

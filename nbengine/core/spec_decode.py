@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from nbengine.config import SpeculativeConfig
 from nbengine.core.request import Request
 
-__all__ = ["DraftBackoff", "NgramProposer", "may_speculate", "prefix_view"]
+__all__ = ["DraftBackoff", "DraftProposer", "NgramProposer", "may_speculate", "prefix_view"]
 
 _WORD = "i"  # token ids as 4-byte words (every vocabulary is far below 2**31)
 assert array(_WORD).itemsize == 4
@@ -67,6 +68,24 @@ def prefix_view(request: Request, drafts: Sequence[int]) -> Request:
     )
 
 
+class DraftProposer(Protocol):
+    """What the scheduler asks of a speculative method (core thread only).
+
+    ``draft`` proposes up to ``max_tokens`` tokens to follow ``token_ids`` (the request's
+    prompt and output so far). ``forget`` drops whatever the proposer keeps for a request
+    that left the core (finished, aborted); the scheduler calls it before the removal is
+    reported, so an aborted request's draft state is gone when its abort is confirmed.
+    """
+
+    def draft(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` drafts for ``request_id``."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop ``request_id``'s state."""
+        ...
+
+
 class NgramProposer:
     """Prompt lookup (vLLM's "ngram" method).
 
@@ -99,6 +118,13 @@ class NgramProposer:
                 start = at // 4 + n
                 return list(token_ids[start : start + k])
         return []
+
+    def draft(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """``propose`` (a lookup keeps no per-request state)."""
+        return self.propose(token_ids, max_tokens)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing to drop."""
 
 
 class DraftBackoff:

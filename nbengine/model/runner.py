@@ -37,6 +37,7 @@ from nbengine.core.scheduler_output import (
     SchedulerOutput,
 )
 from nbengine.core.spec_decode import prefix_view
+from nbengine.model.draft import DraftModelProposer
 from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.memory_plan import MemoryPlan, plan_memory
 from nbengine.model.protocol import CausalLM, PlannedDecode
@@ -252,6 +253,11 @@ class ModelRunner:
         self._execute_step: Callable[[_Step, ModelRunnerOutput], ModelRunnerOutput] = (
             self._execute_on_device if self.device_path else self._execute_on_host
         )
+        # Speculative decoding with a draft model: its proposer (model/draft.py), which the
+        # engine core hands to the scheduler; None for other methods.
+        self.draft_proposer: DraftModelProposer | None = None
+        if config.speculative.method == "draft_model":
+            self.draft_proposer = DraftModelProposer.load(config, loaded)
         logger.info(
             "Loaded %s from %s (%s on %s%s, max_model_len=%d); "
             "KV cache: %d blocks of %d tokens (%.1f MiB).",
@@ -466,6 +472,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Drop the model and the KV cache tensors."""
         self.kv_caches = []
+        self.draft_proposer = None
         self.model = None  # type: ignore[assignment]
         self._forward = None  # type: ignore[assignment]
         self.loaded = None  # type: ignore[assignment]
