@@ -8,6 +8,7 @@ Prints one line per run and the median ratio per (model, workload), and the shar
 drafted tokens accepted (docs/speculative-decoding.md, docs/benchmarks.md).
 
     python scripts/bench_spec.py [--repeats 5] [--k 4] [--models default,bench]
+        [--draft DIR]   # method "draft_model" with the model in DIR instead of n-gram
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ def main() -> None:
     p.add_argument("--models", default="default,bench")
     p.add_argument("--workloads", default="W4,W2")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--draft", default=None, help="draft model directory (draft_model)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.k}
+    if args.draft:
+        spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
     for model in args.models.split(","):
         path, vocab = _model(model)
         wls = make_workloads(args.workloads.split(","), vocab)
