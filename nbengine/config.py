@@ -230,6 +230,101 @@ class SchedulerConfig:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+"""Speculative decoding methods (docs/speculative-decoding.md)."""
+_SPEC_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "dtype",
+)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` (docs/speculative-decoding.md); off by default.
+
+    ``method`` None: no speculation. "ngram": prompt lookup proposes up to
+    ``num_speculative_tokens`` tokens per step from the longest suffix n-gram (of
+    ``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens) that occurred earlier in the
+    request's prompt and output. "draft_model": the small model ``model`` (a directory
+    or Hub id, of the target's vocabulary) proposes ``num_speculative_tokens`` greedy
+    tokens per step; ``dtype`` None: the target's.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 0
+    model: str | None = None
+    dtype: str | None = None
+
+    @classmethod
+    def from_dict(cls, value: object) -> SpeculativeConfig:
+        """Check ``Engine(speculative_config=...)``: None (off) or a dict of vLLM's keys.
+
+        Raises TypeError / ValueError naming ``speculative_config`` and the key.
+        """
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise TypeError(
+                f"speculative_config must be a dict or None, got {type(value).__name__}."
+            )
+        unknown = sorted(str(k) for k in value if k not in _SPEC_KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"the keys are {', '.join(_SPEC_KEYS)}."
+            )
+        method = value.get("method")
+        if method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config['method'] must be one of {SPEC_METHODS}, got {method!r}."
+            )
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config['num_speculative_tokens'] is required.")
+        k = value["num_speculative_tokens"]
+        lmax = value.get("prompt_lookup_max", 3)
+        lmin = value.get("prompt_lookup_min", 1)
+        for key, v in (
+            ("num_speculative_tokens", k),
+            ("prompt_lookup_max", lmax),
+            ("prompt_lookup_min", lmin),
+        ):
+            if not is_int(v):
+                raise TypeError(f"speculative_config[{key!r}] must be an int, got {v!r}.")
+            if v < 1:
+                raise ValueError(f"speculative_config[{key!r}] must be at least 1, got {v}.")
+        if lmin > lmax:
+            raise ValueError(
+                f"speculative_config['prompt_lookup_min'] ({lmin}) must not exceed "
+                f"'prompt_lookup_max' ({lmax})."
+            )
+        model = value.get("model")
+        dtype = value.get("dtype")
+        if method == "draft_model":
+            if not isinstance(model, (str, Path)) or not str(model):
+                raise ValueError(
+                    "speculative_config['model'] (a directory or Hub id of the draft model) "
+                    f"is required with method 'draft_model', got {model!r}."
+                )
+            model = str(model)
+        elif model is not None or dtype is not None:
+            raise ValueError(
+                "speculative_config['model'] and ['dtype'] apply only to method 'draft_model'."
+            )
+        if dtype is not None and not isinstance(dtype, str):
+            raise TypeError(f"speculative_config['dtype'] must be a str or None, got {dtype!r}.")
+        return cls(method, k, lmax, lmin, model, dtype)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 BACKENDS = ("inproc", "ray")
 """Where the engine cores run: a thread of this process, or Ray actors (docs/scale-out.md)."""
 _RAY_OPTIONS = ("data_parallel_size", "ray_address", "resources_per_replica", "routing")
@@ -275,6 +370,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, model: str | Path | None = None, **kwargs: object) -> EngineConfig:
@@ -282,6 +378,7 @@ class EngineConfig:
 
         Unknown keywords raise ``TypeError`` naming them.
         """
+        speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
         parts: dict[str, dict[str, object]] = {
             "model": {},
             "cache": {},
@@ -306,4 +403,5 @@ class EngineConfig:
             cache=CacheConfig(**parts["cache"]),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
             parallel=ParallelConfig(**parts["parallel"]),  # type: ignore[arg-type]
+            speculative=speculative,
         )

@@ -71,6 +71,7 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "arrival_time",
     "finished_time",
     "replica",
+    "spec_accepted_tokens",
 )
 STEP_COLUMNS: tuple[str, ...] = (
     "step",
@@ -88,6 +89,8 @@ STEP_COLUMNS: tuple[str, ...] = (
     "preemptions",
     "prefix_cache_hit_rate",
     "replica",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
 )
 
 
@@ -117,6 +120,7 @@ class RequestSummary(RequestTimings):
     itl_recent: deque[float] = field(default_factory=deque)
     replica: int | None = None  # the engine core that served it (backend="ray"); None in-process
     constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
+    spec_accepted_tokens: int = 0  # speculative drafts accepted (docs/speculative-decoding.md)
 
     @property
     def finished(self) -> bool:
@@ -162,6 +166,7 @@ class RequestRow:
     finished_time: float | None
     replica: int | None = None
     constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
+    spec_accepted_tokens: int = 0
 
 
 def _row(s: RequestSummary) -> RequestRow:
@@ -183,6 +188,7 @@ def _row(s: RequestSummary) -> RequestRow:
         finished_time=s.finished_time,
         replica=s.replica,
         constraint=s.constraint,
+        spec_accepted_tokens=s.spec_accepted_tokens,
     )
 
 
@@ -221,6 +227,9 @@ class MetricsLog:
         self.start_time = time.monotonic()
         self.total_events = 0  # ever recorded, including dropped ones
         self.total_output_tokens = 0
+        # Speculative decoding, over every step seen (docs/speculative-decoding.md).
+        self.total_spec_draft_tokens = 0
+        self.total_spec_accepted_tokens = 0
 
     # ------------------------------------------------------------------ writers
     # Called on the engine loop thread only.
@@ -313,6 +322,14 @@ class MetricsLog:
                 s.output_tokens = num_output_tokens
         self._version += 1
 
+    def on_spec_accepted(self, key: str, num_accepted: int) -> None:
+        """``num_accepted`` more speculative drafts of ``key`` were accepted."""
+        with self._lock:
+            s = self._requests.get(key)
+            if s is not None:
+                s.spec_accepted_tokens += num_accepted
+                self._version += 1
+
     def on_constraint(self, key: str, request_id: str, constraint: str) -> None:
         """``key`` runs under a structured-output constraint (its short description)."""
         with self._lock:
@@ -349,6 +366,8 @@ class MetricsLog:
         with self._lock:
             self._steps.append(stats)
             self._latest_by_replica[stats.replica] = stats
+            self.total_spec_draft_tokens += stats.spec_draft_tokens
+            self.total_spec_accepted_tokens += stats.spec_accepted_tokens
             self._version += 1
 
     # ------------------------------------------------------------------ readers
@@ -466,7 +485,7 @@ class MetricsLog:
             df[c] = df[c].astype("float64")
         for c in ("prompt_tokens", "num_cached_tokens", "replica"):
             df[c] = df[c].astype("Int64")
-        for c in ("output_tokens", "preemptions"):
+        for c in ("output_tokens", "preemptions", "spec_accepted_tokens"):
             df[c] = df[c].astype("int64")
         return df
 
@@ -496,6 +515,8 @@ class MetricsLog:
                 s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
             )
             data["replica"].append(s.replica)
+            data["spec_draft_tokens"].append(s.spec_draft_tokens)
+            data["spec_accepted_tokens"].append(s.spec_accepted_tokens)
         df = pd.DataFrame(data, columns=list(STEP_COLUMNS))
         int_cols = (
             "step",
@@ -508,6 +529,8 @@ class MetricsLog:
             "waiting",
             "preemptions",
             "replica",
+            "spec_draft_tokens",
+            "spec_accepted_tokens",
         )
         for c in int_cols:
             df[c] = df[c].astype("int64")

@@ -94,6 +94,7 @@ class RequestMetrics(RequestTimings):
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_spec_accepted_tokens: int = 0  # its speculative drafts accepted (all completions)
 
 
 @dataclass(slots=True)

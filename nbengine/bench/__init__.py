@@ -4,7 +4,7 @@ The package, one concept per module (docs/benchmarks.md describes the method):
 
 - ``config``: ``BenchConfig``, what a run measures and how;
 - ``workloads``: the bench model (random weights in SmolLM2-135M's shape) and the seeded
-  workloads W1, W2, W3;
+  workloads W1, W2, W3 and W4;
 - ``engines``: the engines under test (nbengine, transformers static ``generate``,
   transformers continuous batching, CTranslate2), one driver each;
 - ``gguf``: the llama.cpp peer's weights (GGUF conversion, cached);

@@ -48,7 +48,7 @@ def add_bench_parser(
         help="random weights in this real model's dimensions, bfloat16, written once to "
         f"the cache (default without --model: {DEFAULT_SHAPE})",
     )
-    bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
+    bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3,W4")
     bench.add_argument(
         "--engines",
         default="nbengine,hf_static,hf_cb",

@@ -84,7 +84,7 @@ class BenchConfig:
 
     model_dir: str | Path | None = None
     shape: str = DEFAULT_SHAPE
-    workloads: tuple[str, ...] = ALL_WORKLOADS
+    workloads: tuple[str, ...] = ("W1", "W2", "W3")  # W4 on request (ALL_WORKLOADS)
     engines: tuple[str, ...] = DEFAULT_ENGINES
     dtype: str = "bfloat16"
     quantization: str | None = None

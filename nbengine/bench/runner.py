@@ -267,6 +267,13 @@ class _Run:
                                 {"enable_prefix_caching": False},
                             )
                         )
+                    if name == "nbengine" and w == "W4":
+                        # W4's A/B: the same engine with n-gram speculation, back to back.
+                        jobs.append(
+                            self._job(
+                                "run", name, "nbengine_ngram", w, {"speculative_config": NGRAM}
+                            )
+                        )
                     for job in jobs:
                         if name in self.errors:
                             continue
@@ -362,6 +369,10 @@ class _Run:
                 abort_count=max(1, n_run // 2),
             )
         )
+
+
+NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
+"""W4's speculative configuration (docs/speculative-decoding.md)."""
 
 
 def _probes(res: dict[str, Any]) -> str:

@@ -8,7 +8,10 @@
 
   - W1: 64 requests, prompt lengths uniform in 16..256, output lengths uniform in 16..128;
   - W2: one request decoding 256 tokens (a 32-token prompt);
-  - W3: 64 requests sharing a 192-token prefix (+ 16 own tokens), 32 output tokens each.
+  - W3: 64 requests sharing a 192-token prefix (+ 16 own tokens), 32 output tokens each;
+  - W4: one request whose output repeats its prompt: a 96-token passage followed by its
+    first 16 tokens again (the continuation copies the rest of the passage), 128 output
+    tokens: the workload of n-gram speculative decoding (docs/speculative-decoding.md).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ __all__ = [
     "scaled",
 ]
 
-ALL_WORKLOADS = ("W1", "W2", "W3")
+ALL_WORKLOADS = ("W1", "W2", "W3", "W4")
 
 # SmolLM2-135M's shape (Llama architecture), random weights.
 SMOLLM2_135M: dict[str, Any] = {
@@ -179,6 +182,10 @@ def make_workloads(
             prefix = ids(scaled(192, scale, 32))
             prompts = [prefix + ids(16) for _ in range(n)]
             out[name] = Workload(name, prompts, [scaled(32, scale, 4)] * n, len(prefix))
+        elif name == "W4":
+            text = ids(scaled(96, scale, 16))
+            cue = text[: scaled(16, scale, 4)]
+            out[name] = Workload(name, [text + cue], [scaled(128, scale, 8)])
         else:
             raise ValueError(f"Unknown workload {name!r}; choose from {ALL_WORKLOADS}.")
     return out

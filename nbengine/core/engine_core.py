@@ -88,6 +88,11 @@ class EngineCore:
             max_model_len,
             sliding_window=window,
         )
+        if config.speculative.method == "draft_model":
+            # The draft model is the runner's (it loads models); the core only asks it.
+            draft = getattr(self.runner, "draft_proposer", None)
+            assert draft is not None, "a draft_model config needs a runner with a draft model"
+            self.scheduler.proposer = draft
         self.step_count = 0
         self._pending_msgs: deque[EngineCoreMessage] = deque()
         self._mid_step_queue: queue.Queue[EngineCoreMessage] | None = None
@@ -225,6 +230,8 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=sched.step_num_preemptions,
+            spec_draft_tokens=batch.num_draft_tokens,
+            spec_accepted_tokens=sched.step_spec_accepted if not batch.is_empty else 0,
         )
         return EngineCoreOutputs(
             outputs=outputs + removed_outputs, finished=finished, events=events, step=stats

@@ -279,6 +279,23 @@ class KVCacheManager:
                 self.pool.register(block, hashes[i])
         entry.num_cached_blocks = num_full
 
+    def free_beyond(self, request: Request, num_tokens: int) -> int:
+        """Release the request's blocks past those holding its first ``num_tokens``
+        positions (speculative decoding: the slots of rejected drafts), tail first.
+        Returns how many blocks were released."""
+        entry = self.req_to_blocks.get(request.request_id)
+        if entry is None:
+            return 0
+        keep = self.blocks_needed(num_tokens)
+        tail = entry.blocks[keep:]
+        if not tail:
+            return 0
+        del entry.blocks[keep:]
+        entry.num_cached_blocks = min(entry.num_cached_blocks, keep)
+        released = [b for b in reversed(tail) if b is not None]
+        self.pool.release(released)
+        return len(released)
+
     def free_outside_window(self, request: Request) -> int:
         """Release the request's blocks that no sliding window can reach any more.
 

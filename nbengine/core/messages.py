@@ -76,6 +76,7 @@ class EngineCoreOutput:
     # Finished (STOP, stop_reason None) because its structured-output grammar matched and
     # allows nothing more: the last token is content, not an EOS to hide.
     finished_by_grammar: bool = False
+    num_spec_accepted: int = 0  # speculative drafts accepted among new_token_ids
 
     @property
     def finished(self) -> bool:
@@ -110,6 +111,8 @@ class StepStats:
     prefix_cache_hits: int  # cumulative, in tokens
     num_preemptions: int  # in this step
     replica: int = 0  # the engine core that ran it (data-parallel replica; 0 in-process)
+    spec_draft_tokens: int = 0  # speculative drafts verified in this step
+    spec_accepted_tokens: int = 0  # of those, accepted (docs/speculative-decoding.md)
 
 
 @dataclass(slots=True)

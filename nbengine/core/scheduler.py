@@ -25,7 +25,13 @@ from nbengine.config import EngineConfig
 from nbengine.core.kv_cache import KVCacheManager
 from nbengine.core.messages import EngineCoreOutput, StatusEvent
 from nbengine.core.request import Request
-from nbengine.core.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from nbengine.core.scheduler_output import (
+    ModelRunnerOutput,
+    SampledToken,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from nbengine.core.spec_decode import DraftBackoff, DraftProposer, NgramProposer, may_speculate
 from nbengine.outputs import PositionLogprobs
 from nbengine.request import RequestStatus
 
@@ -79,6 +85,14 @@ class Scheduler:
         self._next_seq = 0
         self.step_num_preemptions = 0  # preemptions in the latest schedule()
         self.total_preemptions = 0
+        # Speculative decoding (docs/speculative-decoding.md): None when off.
+        spec = config.speculative
+        # "draft_model": the engine core installs the runner's proposer (model/draft.py).
+        self.proposer: DraftProposer | None = (
+            NgramProposer(spec) if spec.method == "ngram" else None
+        )
+        self.step_spec_accepted = 0  # drafts accepted in the latest update_from_output()
+        self.spec_backoff = DraftBackoff()
 
     # ---- queries --------------------------------------------------------------------
     @property
@@ -131,6 +145,9 @@ class Scheduler:
         self.requests.pop(rid, None)
         self._prompt_lp_sent.pop(rid, None)
         self._admit_seq.pop(rid, None)
+        self.spec_backoff.forget(rid)
+        if self.proposer is not None:
+            self.proposer.forget(rid)
         self._set_status(request, status)
         self.kv.free(request, forget=True)
         if output is None:
@@ -225,6 +242,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, forget computed tokens, wait at the head."""
         self.kv.free(request, forget=False)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)  # a draft model's K/V goes too
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.step_num_preemptions += 1
@@ -242,6 +261,7 @@ class Scheduler:
         self.step_num_preemptions = 0
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request key -> tokens this step (insertion = order)
+        drafts: dict[str, list[int]] = {}  # request key -> its drafts (in the budget too)
 
         # 1. Running requests: each gets all its remaining tokens (decode = 1) if it fits.
         i = 0
@@ -251,12 +271,16 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            proposed = self._propose(request, num_new, budget)
+            if proposed and not self.kv.allocate_slots(request, num_new + len(proposed)):
+                proposed = []  # no room for the drafts: a plain decode (or a preemption)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 vi = self.running.index(victim)
                 self.running.pop(vi)
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
+                    budget += len(drafts.pop(victim.request_id, ()))
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -265,6 +289,9 @@ class Scheduler:
             else:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+                if proposed:
+                    drafts[request.request_id] = proposed
+                    budget -= len(proposed)
                 i += 1
                 continue
             # ``request`` preempted itself: nothing below it can fit either.
@@ -312,15 +339,39 @@ class Scheduler:
                 num_tokens=num_new,
                 block_table=self.kv.get_block_ids(rid),
                 sample=start + num_new == request.num_tokens,
+                draft_token_ids=drafts.get(rid, []),
             )
             if chunk.is_prefill:
                 prefills.append(chunk)
                 out.num_prefill_tokens += num_new
             else:
                 decodes.append(chunk)
-                out.num_decode_tokens += num_new
+                out.num_decode_tokens += num_new + len(chunk.draft_token_ids)
+                out.num_draft_tokens += len(chunk.draft_token_ids)
         out.chunks = decodes + prefills
         return out
+
+    def _propose(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Drafts for a decoding ``request`` (none when speculation is off, for a prefill
+        chunk, or where ``may_speculate`` says no), as many as the token budget, the
+        model length, the pool and ``max_tokens`` leave room for: every draft may become
+        an output token, and one more token follows them."""
+        if self.proposer is None or num_new != 1:
+            return []
+        if (
+            request.num_tokens - request.num_computed_tokens != 1
+            or request.num_computed_tokens < request.num_prompt_tokens  # a prefill's end
+            or not may_speculate(request)
+            or not self.spec_backoff.allows(request.request_id)
+        ):
+            return []
+        room = min(budget - 1, min(self.max_model_len, self.pool_tokens) - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        return self.proposer.draft(request.request_id, request.all_token_ids, room)
 
     # ---- after the runner -------------------------------------------------------------
     def update_from_output(
@@ -333,10 +384,16 @@ class Scheduler:
         their final output goes into the pending removals.
         """
         outputs: list[EngineCoreOutput] = []
+        self.step_spec_accepted = 0
         for chunk in batch.chunks:
             request = chunk.request
             rid = request.request_id
             if self.requests.get(rid) is not request or request.status != RequestStatus.RUNNING:
+                continue
+            if chunk.draft_token_ids:
+                out = self._update_verified(chunk, result)
+                if out is not None:
+                    outputs.append(out)
                 continue
             request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
             self.kv.cache_computed_blocks(request)
@@ -368,6 +425,59 @@ class Scheduler:
             if out.new_token_ids or out.new_prompt_logprobs:
                 outputs.append(out)
         return outputs
+
+    def _update_verified(
+        self, chunk: ScheduledChunk, result: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        """Advance a request whose chunk carried drafts: append the tokens verification
+        kept, one at a time through the stop checks (a stop truncates there), then roll
+        the KV back to the kept positions. Returns its output, or None when it finished
+        (its output then went into the removals)."""
+        request = chunk.request
+        rid = request.request_id
+        kept = result.spec_sampled.get(rid)
+        if not kept:
+            raise RuntimeError(f"model runner returned no verified tokens for request {rid!r}")
+        out = EngineCoreOutput(rid, [], num_cached_tokens=max(request.num_cached_tokens, 0))
+        status: RequestStatus | None = None
+        appended = 0
+        for sampled in kept:
+            self._append_sampled(request, sampled, out)
+            appended += 1
+            status = self._check_stop(request)
+            if request.error is not None:
+                status = RequestStatus.FINISHED_ERROR
+            if status is not None:
+                break
+        accepted = min(appended, len(kept) - 1)  # drafts kept (the last may be the bonus)
+        out.num_spec_accepted = accepted
+        self.spec_backoff.record(rid, len(kept) - 1)
+        self.step_spec_accepted += accepted
+        # K/V is kept for the decoded token and the accepted drafts; the newest token has
+        # none yet. The blocks beyond those positions (rejected drafts' slots) are freed,
+        # and only full blocks of kept tokens reach the prefix cache.
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv.cache_computed_blocks(request)
+        self.kv.free_beyond(request, request.num_computed_tokens)
+        self.kv.free_outside_window(request)
+        if status is not None:
+            self._remove(request, status, error=request.error, output=out)
+            return None
+        return out
+
+    @staticmethod
+    def _append_sampled(request: Request, sampled: SampledToken, out: EngineCoreOutput) -> None:
+        """Append one verified token to ``request`` and its output (and feed its grammar)."""
+        request.append_output_token(sampled.token_id)
+        if request.grammar is not None:
+            failure = request.grammar.consume(sampled.token_id)
+            if failure is not None:
+                request.error = f"structured outputs: {failure}"
+        out.new_token_ids.append(sampled.token_id)
+        if sampled.logprobs is not None:
+            if out.new_logprobs is None:
+                out.new_logprobs = []
+            out.new_logprobs.append(sampled.logprobs)
 
     def _new_prompt_logprobs(
         self, chunk: ScheduledChunk, lps: list[PositionLogprobs | None]

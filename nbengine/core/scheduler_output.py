@@ -27,6 +27,9 @@ class ScheduledChunk:
       ``[0, start_pos + num_tokens)``: position ``p`` lives in block
       ``block_table[p // block_size]`` at offset ``p % block_size``.
     - ``sample`` is True iff ``start_pos + num_tokens == request.num_tokens``.
+    - ``draft_token_ids`` (speculative decoding, docs/speculative-decoding.md): only on a
+      one-token decode chunk; the runner computes them at the positions after the
+      chunk's (the block table covers them too) and verifies them.
     """
 
     request: Request
@@ -34,6 +37,7 @@ class ScheduledChunk:
     num_tokens: int
     block_table: list[int]
     sample: bool
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -48,7 +52,8 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0  # one per decode, plus its drafts
+    num_draft_tokens: int = 0  # speculative drafts among the decode tokens
 
     @property
     def total_num_tokens(self) -> int:
@@ -72,6 +77,9 @@ class ModelRunnerOutput:
     """Results of one step, keyed by the request's internal key."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # Requests whose chunk had drafts: the tokens verification kept, in order (the
+    # accepted drafts, then the token sampled after them); such a key is not in ``sampled``.
+    spec_sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # For requests with params.prompt_logprobs: logprobs of the prompt tokens whose
     # predecessors were computed in this step, in position order (position 0 gets None).
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)

@@ -3,7 +3,8 @@
 Parts: a table of requests (id, status badge, tokens, TTFT, age, source: "notebook",
 "server", "chat", ... (nbengine/request_source.py), a Cancel button per
 live row), a "Cancel all" button, the KV cache usage (a progress bar with blocks used /
-total and the prefix-cache hit rate, and the device it lives on with its memory) and
+total, the prefix-cache hit rate and, with speculative decoding, the share of drafted
+tokens accepted, and the device it lives on with its memory) and
 plotly ``FigureWidget`` charts of throughput and running/waiting counts over time.
 
 Every widget is created once, on the caller's thread: the table is a fixed pool of
@@ -309,11 +310,19 @@ class DashboardView:
         total = max(blocks, 1)
         self._set(self.dash.kv_bar, "max", total)
         self._set(self.dash.kv_bar, "value", min(used, total))
+        # Speculative decoding: the share of drafted tokens accepted (when any was drafted).
+        metrics = self.monitor.metrics
+        drafted = metrics.total_spec_draft_tokens
+        spec = (
+            f" · draft acceptance {100 * metrics.total_spec_accepted_tokens / drafted:.0f}%"
+            if drafted
+            else ""
+        )
         self._set(
             self.dash.kv_label,
             "value",
             f"{used} / {blocks} blocks "
-            f"({100 * used / total:.0f}%) · prefix-cache hit rate {100 * hit:.0f}%",
+            f"({100 * used / total:.0f}%) · prefix-cache hit rate {100 * hit:.0f}%{spec}",
         )
 
     def _refresh_replicas(self) -> None:

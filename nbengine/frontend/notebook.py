@@ -101,12 +101,14 @@ class NotebookFacade:
 
     def request_stats(self) -> pd.DataFrame:
         """One row per request incarnation: status, finish_reason, prompt/output tokens,
-        queue_time, ttft, itl_mean, itl_p99, e2e_time, preemptions, num_cached_tokens."""
+        queue_time, ttft, itl_mean, itl_p99, e2e_time, preemptions, num_cached_tokens,
+        spec_accepted_tokens (speculative drafts accepted: docs/speculative-decoding.md)."""
         return self._metrics.request_stats()
 
     def step_stats(self) -> pd.DataFrame:
         """One row per engine step: batch size, prefill/decode tokens, KV blocks used and
-        total, step_time, running, waiting, preemptions, prefix-cache hit rate."""
+        total, step_time, running, waiting, preemptions, prefix-cache hit rate,
+        spec_draft_tokens and spec_accepted_tokens (speculative decoding)."""
         return self._metrics.step_stats()
 
     def dashboard(self) -> Dashboard:

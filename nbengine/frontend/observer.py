@@ -59,6 +59,11 @@ class EngineObserver(Protocol):
         """One engine step's statistics."""
         return None
 
+    def on_spec_accepted(self, key: str, num_accepted: int) -> None:
+        """``num_accepted`` more speculative drafts of ``key`` were accepted
+        (docs/speculative-decoding.md)."""
+        return None
+
     def on_routed(self, key: str, replica: int) -> None:
         """A multi-replica backend placed ``key`` on engine core ``replica``."""
         return None
@@ -72,6 +77,7 @@ _HOOKS = (
     "on_tokens",
     "on_step",
     "on_routed",
+    "on_spec_accepted",
 )
 
 # (observer, its bound hook): the observer is named when its hook raises.
@@ -173,6 +179,13 @@ class ObserverList(EngineObserver):
                 fn(stats)
             except Exception:
                 logger.exception("on_step hook of %r failed", obs)
+
+    def on_spec_accepted(self, key: str, num_accepted: int) -> None:
+        for obs, fn in self._hooks["on_spec_accepted"]:
+            try:
+                fn(key, num_accepted)
+            except Exception:
+                logger.exception("on_spec_accepted hook of %r failed", obs)
 
     def on_routed(self, key: str, replica: int) -> None:
         for obs, fn in self._hooks["on_routed"]:

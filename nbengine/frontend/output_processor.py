@@ -268,6 +268,9 @@ class OutputProcessor:
                 child.core_finish = out
             if child.detok.finished:
                 continue  # a stop string already ended it: later tokens are dropped
+            if out.num_spec_accepted:
+                live.metrics.num_spec_accepted_tokens += out.num_spec_accepted
+                self._observers.on_spec_accepted(child.key, out.num_spec_accepted)
             if out.new_token_ids:
                 self._add_tokens(live, child, out, now)
                 touched.setdefault(live.request_id, (live, {}))[1][child.index] = child
@@ -305,6 +308,18 @@ class OutputProcessor:
                         self._token_text_cache[tid] = text
                 lp.decoded_token = text
 
+    def _add_logprobs(self, child: ChildState, tid: int, pos: PositionLogprobs) -> None:
+        """Append one output token's logprobs to ``child`` (and its cumulative logprob)."""
+        if child.logprobs is None:
+            child.logprobs = []
+            child.cumulative_logprob = 0.0
+        if child.params.detokenize:  # detokenize=False: decoded_token stays None
+            self._fill_decoded(pos)
+        child.logprobs.append(pos)
+        chosen = pos.get(tid)
+        if chosen is not None and child.cumulative_logprob is not None:
+            child.cumulative_logprob += chosen.logprob
+
     def _add_tokens(
         self, live: LiveRequest, child: ChildState, out: EngineCoreOutput, now: float
     ) -> None:
@@ -312,17 +327,7 @@ class OutputProcessor:
         if live.metrics.first_token_time is None:
             live.metrics.first_token_time = now
         live.metrics.last_token_time = now
-        if out.new_logprobs is not None:
-            if child.logprobs is None:
-                child.logprobs = []
-                child.cumulative_logprob = 0.0
-            for tid, pos in zip(ids, out.new_logprobs):
-                if child.params.detokenize:  # detokenize=False: decoded_token stays None
-                    self._fill_decoded(pos)
-                child.logprobs.append(pos)
-                chosen = pos.get(tid)
-                if chosen is not None and child.cumulative_logprob is not None:
-                    child.cumulative_logprob += chosen.logprob
+        lps = out.new_logprobs
         # EOS / a stop token ends the completion: its text is shown only if asked for.
         hide_last = (
             out.finish_reason is FinishReason.STOP
@@ -330,7 +335,22 @@ class OutputProcessor:
             and not child.params.include_stop_str_in_output
             and not out.finished_by_grammar
         )
-        stop = child.detok.update(ids, exclude_last_text=hide_last)
+        if len(ids) == 1:
+            if lps is not None:
+                self._add_logprobs(child, ids[0], lps[0])
+            stop = child.detok.update(ids, exclude_last_text=hide_last)
+        else:
+            # Several tokens in one step (speculative decoding): each passes the stop-string
+            # check as its own step would; the tokens after a stop string (and their
+            # logprobs) are dropped, as later steps' tokens are (docs/speculative-decoding.md).
+            stop = None
+            last = len(ids) - 1
+            for i, tid in enumerate(ids):
+                if lps is not None:
+                    self._add_logprobs(child, tid, lps[i])
+                stop = child.detok.update([tid], exclude_last_text=hide_last and i == last)
+                if stop is not None:
+                    break
         self._observers.on_tokens(
             child.key, len(child.detok.token_ids), now, live.num_cached_tokens
         )

@@ -74,6 +74,7 @@ class RequestView(NamedTuple):
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_spec_accepted_tokens: int = 0  # speculative drafts accepted so far (all completions)
     error: str | None = None
 
     @property
@@ -117,6 +118,7 @@ class RequestView(NamedTuple):
             "last_token_time": self.last_token_time,
             "finished_time": self.finished_time,
             "num_preemptions": self.num_preemptions,
+            "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
             "error": self.error,
         }
 
@@ -184,6 +186,7 @@ def live_view(live: LiveRequest, prev: RequestView, changed: Iterable[ChildState
         m.last_token_time,
         None,  # finished_time
         m.num_preemptions,
+        m.num_spec_accepted_tokens,
         None,  # error
     )
     return _tuple_new(RequestView, fields)
@@ -214,5 +217,6 @@ def final_view(final: RequestOutput, prev: RequestView, error: str | None) -> Re
         last_token_time=getattr(m, "last_token_time", None),
         finished_time=getattr(m, "finished_time", None),
         num_preemptions=getattr(m, "num_preemptions", 0),
+        num_spec_accepted_tokens=getattr(m, "num_spec_accepted_tokens", 0),
         error=error,
     )

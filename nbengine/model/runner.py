@@ -29,12 +29,15 @@ from typing import Any
 import torch
 
 from nbengine.config import EngineConfig
+from nbengine.core.request import Request
 from nbengine.core.scheduler_output import (
     ModelRunnerOutput,
     SampledToken,
     ScheduledChunk,
     SchedulerOutput,
 )
+from nbengine.core.spec_decode import prefix_view
+from nbengine.model.draft import DraftModelProposer
 from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.memory_plan import MemoryPlan, plan_memory
 from nbengine.model.protocol import CausalLM, PlannedDecode
@@ -48,6 +51,7 @@ from nbengine.ops.attention import (
 )
 from nbengine.ops.linear import ONEDNN_MIN_ROWS, pack_linears
 from nbengine.ops.quant import dense_supported
+from nbengine.ops.rejection import accepted_drafts
 from nbengine.ops.sampling import Sampler, topk_logprobs
 from nbengine.ops.staged_sampling import StagedSampling, logprob_pieces, unpack_logprobs
 from nbengine.outputs import PositionLogprobs
@@ -71,7 +75,11 @@ class _Step:
     positions: list[int] = field(default_factory=list)
     specs: list[ChunkSpec] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    # One entry per sample row: its chunk, and the request as the sampler sees it (a
+    # chunk with drafts has one row per verified position: docs/speculative-decoding.md).
     sample_chunks: list[ScheduledChunk] = field(default_factory=list)
+    sample_views: list[Request] = field(default_factory=list)
+    has_drafts: bool = False
     plp_rows: list[int] = field(default_factory=list)
     plp_targets: list[int] = field(default_factory=list)
     plp_ks: list[int] = field(default_factory=list)
@@ -126,7 +134,7 @@ class _PlannedForward(_ModuleForward):
 
     def greedy_tokens(self, step: _Step, args: _ForwardArgs) -> list[int] | None:
         if not self._decode_only(step, args.meta) or not self.sampler.argmax_suffices(
-            [c.request for c in step.sample_chunks]
+            step.sample_views
         ):
             return None
         return self.planned.decode_greedy(args.input_ids, args.positions, args.meta, args.kv_caches)
@@ -245,6 +253,11 @@ class ModelRunner:
         self._execute_step: Callable[[_Step, ModelRunnerOutput], ModelRunnerOutput] = (
             self._execute_on_device if self.device_path else self._execute_on_host
         )
+        # Speculative decoding with a draft model: its proposer (model/draft.py), which the
+        # engine core hands to the scheduler; None for other methods.
+        self.draft_proposer: DraftModelProposer | None = None
+        if config.speculative.method == "draft_model":
+            self.draft_proposer = DraftModelProposer.load(config, loaded)
         logger.info(
             "Loaded %s from %s (%s on %s%s, max_model_len=%d); "
             "KV cache: %d blocks of %d tokens (%.1f MiB).",
@@ -280,21 +293,47 @@ class ModelRunner:
             )
             tokens = forward.greedy_tokens(step, args)
             if tokens is not None:
-                for c, tok in zip(step.sample_chunks, tokens):
-                    out.sampled[c.request.request_id] = SampledToken(tok, None)
+                self._sampled(step, tokens, [None] * len(tokens), out)
                 return out
             logits = forward.logits(step, args)
             if logits is None:  # only intermediate prefill chunks: nothing to sample
                 return out
             n_s = len(step.sample_rows)
-            sample_chunks = step.sample_chunks
-            tokens, lps = self.sampler(logits[:n_s], [c.request for c in sample_chunks])
-            for c, tok, lp in zip(sample_chunks, tokens, lps):
-                out.sampled[c.request.request_id] = SampledToken(tok, lp)
+            tokens, lps = self.sampler(logits[:n_s], step.sample_views)
+            self._sampled(step, tokens, lps, out)
             if step.plp_spans:
                 plp = topk_logprobs(logits[n_s:].log_softmax(dim=-1), step.plp_targets, step.plp_ks)
                 self._prompt_logprobs(step, plp, out)
         return out
+
+    @staticmethod
+    def _sampled(
+        step: _Step,
+        tokens: list[int],
+        lps: list[PositionLogprobs | None],
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Hand each sampling chunk its token; a chunk with drafts its verified run (the
+        accepted drafts and the token sampled after them, ops/rejection.py)."""
+        if not step.has_drafts:
+            for c, tok, lp in zip(step.sample_chunks, tokens, lps):
+                out.sampled[c.request.request_id] = SampledToken(tok, lp)
+            return
+        row = 0
+        chunks = step.sample_chunks
+        while row < len(chunks):
+            c = chunks[row]
+            drafts = c.draft_token_ids
+            if not drafts:
+                out.sampled[c.request.request_id] = SampledToken(tokens[row], lps[row])
+                row += 1
+                continue
+            n = len(drafts) + 1  # the chunk's rows: one per verified position
+            m = accepted_drafts(drafts, tokens[row : row + n])
+            out.spec_sampled[c.request.request_id] = [
+                SampledToken(tokens[row + j], lps[row + j]) for j in range(m + 1)
+            ]
+            row += n
 
     def _flatten(self, batch: SchedulerOutput) -> _Step:
         """The step's chunks flattened (single-token chunks first) into host lists."""
@@ -305,6 +344,7 @@ class ModelRunner:
         # Bound once: this loop runs per chunk on every step of the CPU's default path too.
         ids, positions, specs = step.ids, step.positions, step.specs
         sample_rows, sample_chunks = step.sample_rows, step.sample_chunks
+        sample_views = step.sample_views
         max_len = self.max_model_len
         row = 0
         for c in chunks:
@@ -315,11 +355,34 @@ class ModelRunner:
             assert len(c.block_table) * bs >= end, "block table too short for the chunk"
             assert end <= max_len, "chunk beyond max_model_len"
             ids.extend(req.all_token_ids[c.start_pos : end])
+            drafts = c.draft_token_ids
+            if drafts:
+                # Speculative decoding: the drafts follow the decoded token, each position
+                # a one-token row of its own (a decode at that position). Every layer
+                # writes the step's K/V before it attends (ops/attention_kernels.py,
+                # the decode plan's kernel alike), so row j sees the rows before it
+                # exactly as a chunk would, and a step of decodes and drafts stays a
+                # decode step (the decode plan's fast path). Every row samples.
+                n = len(drafts)
+                assert c.num_tokens == 1 and c.sample, "drafts only follow a decode"
+                assert len(c.block_table) * bs >= end + n, "block table too short for drafts"
+                assert end + n <= max_len, "drafts beyond max_model_len"
+                ids.extend(drafts)
+                positions.extend(range(c.start_pos, end + n))
+                step.has_drafts = True
+                for j in range(n + 1):
+                    specs.append(ChunkSpec(c.start_pos + j, 1, c.block_table))
+                    sample_rows.append(row + j)
+                    sample_chunks.append(c)
+                    sample_views.append(prefix_view(req, drafts[:j]))
+                row += 1 + n
+                continue
             positions.extend(range(c.start_pos, end))
             specs.append(ChunkSpec(c.start_pos, c.num_tokens, c.block_table))
             if c.sample:
                 sample_rows.append(row + c.num_tokens - 1)
                 sample_chunks.append(c)
+                sample_views.append(req)
             k = req.sampling_params.prompt_logprobs
             # Prompt logprobs are produced during the first prefill only (no outputs yet).
             if k is not None and req.num_output_tokens == 0 and c.start_pos < req.num_prompt_tokens:
@@ -354,8 +417,7 @@ class ModelRunner:
         attention = StagedAttention(step.specs, self.block_size, self._windows, stager)
         rows = step.sample_rows + step.plp_rows
         h_rows = stager.ints(rows)
-        requests = [c.request for c in step.sample_chunks]
-        sampling = StagedSampling(self.sampler, requests, self.vocab_size, stager)
+        sampling = StagedSampling(self.sampler, step.sample_views, self.vocab_size, stager)
         plp_ks = [self.vocab_size if k < 0 else k for k in step.plp_ks]
         h_plp = stager.ints(step.plp_targets) if step.plp_rows else -1
         views = self._to_device(stager)
@@ -367,8 +429,7 @@ class ModelRunner:
             return out
         host = self._to_host(result).tolist()
         tokens, lps, at = sampling.unpack(host, 0)
-        for c, tok, lp in zip(step.sample_chunks, tokens, lps):
-            out.sampled[c.request.request_id] = SampledToken(tok, lp)
+        self._sampled(step, tokens, lps, out)
         if step.plp_spans:
             plp, _ = unpack_logprobs(host, at, step.plp_targets, plp_ks)
             self._prompt_logprobs(step, plp, out)
@@ -411,6 +472,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Drop the model and the KV cache tensors."""
         self.kv_caches = []
+        self.draft_proposer = None
         self.model = None  # type: ignore[assignment]
         self._forward = None  # type: ignore[assignment]
         self.loaded = None  # type: ignore[assignment]

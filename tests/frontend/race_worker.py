@@ -24,13 +24,17 @@ def _warm_imports() -> None:
 _warm_imports()
 
 
-def run_race(model_dir: str) -> tuple[int, int, str | None, str | None]:
+def run_race(
+    model_dir: str, speculative_config: dict[str, object] | None = None
+) -> tuple[int, int, str | None, str | None]:
     import torch
 
     torch.set_num_threads(1)  # test process on a 2-core machine; not library code
     import nbengine as nb
 
-    kw = dict(num_kv_blocks=64, block_size=16, max_num_seqs=8)
+    kw = dict(
+        num_kv_blocks=64, block_size=16, max_num_seqs=8, speculative_config=speculative_config
+    )
     with nb.Engine(model_dir, **kw) as engine:
         h = engine.generate(
             "Once upon a time",
