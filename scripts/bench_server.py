@@ -170,7 +170,11 @@ def _idle_round(server: Any, n: int) -> dict[str, float]:
     )
     assert proc.stdout is not None and proc.stdin is not None
     proc.stdout.readline()
-    held = len(server._uvicorn.server_state.connections)
+    connections = server._uvicorn.server_state.connections
+    settle = time.monotonic() + 2.0  # the server's loop accepts the last ones
+    while len(connections) < 2 * n and time.monotonic() < settle:
+        time.sleep(0.01)
+    held = len(connections)
     during = _rss()
     deadline = time.monotonic() + IDLE_TIMEOUT_S * 4
     while server._uvicorn.server_state.connections and time.monotonic() < deadline:
