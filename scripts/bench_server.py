@@ -137,6 +137,7 @@ def _idle_client(url: str, n: int) -> None:
     from urllib.parse import urlsplit
 
     where = urlsplit(url)
+    assert where.hostname is not None and where.port is not None
     socks = []
     for i in range(2 * n):
         s = socket.create_connection((where.hostname, where.port))

@@ -42,7 +42,7 @@ class _IdleGuard:
     cycle: Any
     transport: asyncio.Transport
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._nb_seen: object = None  # the request seen at the last check
         self._nb_timer: asyncio.TimerHandle | None = self.loop.call_later(
