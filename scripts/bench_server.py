@@ -13,6 +13,12 @@ Rounds alternate the two modes (in-process, server, in-process, ...) so that a c
 the machine's load hits both; the median of the rounds is reported.
 
     .venv/bin/python scripts/bench_server.py --model smollm --rounds 3
+    .venv/bin/python scripts/bench_server.py --streams 256 --max-tokens 32 --idle 256
+    .venv/bin/python scripts/bench_server.py --shape llama-3.2-1b --streams 1,8
+
+It also reports the time to first token's p99 against its p50 (no stream starved), the
+streams that got other than ``max_tokens`` tokens (must be 0), and with ``--idle N`` the
+engine process's memory per idle connection.
 """
 
 from __future__ import annotations
@@ -30,15 +36,23 @@ PROMPT = "Once upon a time, in a small village at the edge of a great forest,"
 
 
 def _summary(
-    starts: list[float], firsts: list[float], ends: list[float], tokens: list[int]
+    starts: list[float],
+    firsts: list[float],
+    ends: list[float],
+    tokens: list[int],
+    max_tokens: int,
 ) -> dict[str, float]:
-    ttft = [f - s for s, f in zip(starts, firsts)]
+    ttft = sorted(f - s for s, f in zip(starts, firsts))
     wall = max(ends) - min(starts)
     return {
         "tok_s": sum(tokens) / wall,
         "ttft_mean": statistics.mean(ttft),
         "ttft_p50": statistics.median(ttft),
+        "ttft_p99": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
         "tokens": float(sum(tokens)),
+        # Streams that did not get exactly max_tokens tokens (ignore_eos): must be 0.
+        "short_streams": float(sum(n != max_tokens for n in tokens)),
+        "min_tokens": float(min(tokens)),
     }
 
 
@@ -67,7 +81,7 @@ async def _in_process(engine: Any, streams: int, max_tokens: int) -> dict[str, f
         tokens.append(n)
 
     await asyncio.gather(*(one() for _ in range(streams)))
-    return _summary(starts, firsts, ends, tokens)
+    return _summary(starts, firsts, ends, tokens, max_tokens)
 
 
 async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
@@ -113,7 +127,68 @@ async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
         )
         starts.clear(), firsts.clear(), ends.clear(), tokens.clear()
         await asyncio.gather(*(one(client) for _ in range(streams)))
-    return _summary(starts, firsts, ends, tokens)
+    return _summary(starts, firsts, ends, tokens, max_tokens)
+
+
+def _idle_client(url: str, n: int) -> None:
+    """Open ``n`` keep-alive connections (one request each, then idle) and ``n`` more
+    that never send a request; say so, and hold them until stdin closes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    assert where.hostname is not None and where.port is not None
+    socks = []
+    for i in range(2 * n):
+        s = socket.create_connection((where.hostname, where.port))
+        if i < n:
+            s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {where.hostname}\r\n\r\n".encode())
+            s.recv(65536)
+        socks.append(s)
+    print("open", flush=True)
+    sys.stdin.read()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _idle_round(server: Any, n: int) -> dict[str, float]:
+    """The engine process's RSS growth per idle connection, and whether the server let
+    them all go (its connection count back to 0) after its idle timeout."""
+    import gc
+
+    from nbengine.server.connections import IDLE_TIMEOUT_S
+
+    gc.collect()
+    before = _rss()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--idle-client", server.url, "--streams", str(n)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    proc.stdout.readline()
+    connections = server._uvicorn.server_state.connections
+    settle = time.monotonic() + 2.0  # the server's loop accepts the last ones
+    while len(connections) < 2 * n and time.monotonic() < settle:
+        time.sleep(0.01)
+    held = len(connections)
+    during = _rss()
+    deadline = time.monotonic() + IDLE_TIMEOUT_S * 4
+    while server._uvicorn.server_state.connections and time.monotonic() < deadline:
+        time.sleep(0.1)
+    released = time.monotonic() < deadline
+    proc.stdin.close()
+    proc.wait()
+    return {
+        "connections": float(2 * n),
+        "held": float(held),
+        "rss_per_conn": (during - before) / (2 * n),
+        "released": float(released),
+    }
 
 
 def _server_round(url: str, streams: int, max_tokens: int) -> dict[str, float]:
@@ -154,8 +229,26 @@ def main() -> None:
         default=1,
         help="the server's stream_interval (tokens per chunk after the first)",
     )
+    ap.add_argument(
+        "--shape",
+        default=None,
+        help="a random model in one of nbengine.bench's shapes (e.g. llama-3.2-1b; "
+        "`nbengine bench --shape` builds and caches the same one) instead of --model",
+    )
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the most streams")
+    ap.add_argument(
+        "--idle",
+        type=int,
+        default=0,
+        help="also open N idle keep-alive connections and N that send nothing, and "
+        "report the engine process's RSS growth per connection",
+    )
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--idle-client", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.idle_client:
+        _idle_client(args.idle_client, int(args.streams))
+        return
     if args.client:
         print(json.dumps(asyncio.run(_client(args.client, int(args.streams), args.max_tokens))))
         return
@@ -163,7 +256,11 @@ def main() -> None:
     import nbengine as nb
 
     model: str | None
-    if args.model == "smollm":
+    if args.shape is not None:
+        from nbengine.bench import bench_model_dir
+
+        model = str(bench_model_dir(shape=args.shape))
+    elif args.model == "smollm":
         from nbengine.bench import bench_model_dir
 
         model = str(bench_model_dir())
@@ -173,7 +270,7 @@ def main() -> None:
         model = args.model
     counts = [int(s) for s in args.streams.split(",")]
     with (
-        nb.Engine(model, max_num_seqs=max(counts)) as engine,
+        nb.Engine(model, max_num_seqs=args.max_num_seqs or max(counts)) as engine,
         engine.serve(port=0, stream_interval=args.stream_interval) as server,
     ):
         asyncio.run(_in_process(engine, 2, 8))  # warm-up (native kernels, allocator)
@@ -195,8 +292,9 @@ def main() -> None:
                 for k, runs in (("in-process", local), ("server", remote))
             }
             rows.append((streams, med, local, remote))
+        idle = _idle_round(server, args.idle) if args.idle else None
     print(
-        f"model: {args.model}, max_tokens {args.max_tokens}, {args.rounds} rounds, "
+        f"model: {args.shape or args.model}, max_tokens {args.max_tokens}, {args.rounds} rounds, "
         f"stream_interval {args.stream_interval}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
@@ -217,6 +315,29 @@ def main() -> None:
             f"{best_a:.0f} / {best_b:.0f} ({(1 - best_b / best_a) * 100:+.1f}%) | "
             f"{a['ttft_p50'] * 1000:.0f} ms | {b['ttft_p50'] * 1000:.0f} ms | "
             f"{a['cpu_us_per_tok']:.0f} / {b['cpu_us_per_tok']:.0f} us | {spread} |"
+        )
+    print()
+    print(
+        "| streams | TTFT p50 / p99 in-process | TTFT p50 / p99 server | server p99/p50 | "
+        "streams short of max_tokens (in-process / server, all rounds) |"
+    )
+    print("|---|---|---|---|---|")
+    for streams, med, local, remote in rows:
+        a, b = med["in-process"], med["server"]
+        short_a = sum(x["short_streams"] for x in local)
+        short_b = sum(x["short_streams"] for x in remote)
+        print(
+            f"| {streams} | {a['ttft_p50'] * 1000:.0f} / {a['ttft_p99'] * 1000:.0f} ms | "
+            f"{b['ttft_p50'] * 1000:.0f} / {b['ttft_p99'] * 1000:.0f} ms | "
+            f"{b['ttft_p99'] / b['ttft_p50']:.2f}x | {short_a:.0f} / {short_b:.0f} |"
+        )
+    if idle is not None:
+        print()
+        print(
+            f"idle: {idle['connections']:.0f} connections ({args.idle} keep-alive after a "
+            f"request, {args.idle} never sending one), {idle['held']:.0f} held by the server, "
+            f"engine-process RSS +{idle['rss_per_conn'] / 1024:.1f} KiB per connection, "
+            f"all released after the idle timeout: {bool(idle['released'])}"
         )
 
 

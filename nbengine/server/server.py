@@ -60,6 +60,7 @@ class Server:
             import uvicorn
 
             from nbengine.server.app import build_app
+            from nbengine.server.connections import uvicorn_options
         except ImportError as exc:
             raise ImportError(
                 f"engine.serve() needs the serve extra (pip install 'nbengine[serve]'): {exc}"
@@ -109,6 +110,8 @@ class Server:
             lifespan="off",
             timeout_graceful_shutdown=2,
             access_log=False,
+            # Bounded per connection: idle ones closed, request heads limited.
+            **uvicorn_options(),
         )
         self._uvicorn = uvicorn.Server(config)
         self._error: BaseException | None = None
