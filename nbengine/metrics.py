@@ -71,6 +71,7 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "arrival_time",
     "finished_time",
     "replica",
+    "lora",
 )
 STEP_COLUMNS: tuple[str, ...] = (
     "step",
@@ -117,6 +118,7 @@ class RequestSummary(RequestTimings):
     itl_recent: deque[float] = field(default_factory=deque)
     replica: int | None = None  # the engine core that served it (backend="ray"); None in-process
     constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
+    lora: str | None = None  # the LoRA adapter's name (docs/lora.md); None: the base model
 
     @property
     def finished(self) -> bool:
@@ -162,6 +164,7 @@ class RequestRow:
     finished_time: float | None
     replica: int | None = None
     constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
+    lora: str | None = None  # the LoRA adapter's name (docs/lora.md); None: the base model
 
 
 def _row(s: RequestSummary) -> RequestRow:
@@ -183,6 +186,7 @@ def _row(s: RequestSummary) -> RequestRow:
         finished_time=s.finished_time,
         replica=s.replica,
         constraint=s.constraint,
+        lora=s.lora,
     )
 
 
@@ -318,6 +322,13 @@ class MetricsLog:
         with self._lock:
             s = self._summary(key, request_id, time.monotonic())
             s.constraint = constraint
+            self._version += 1
+
+    def on_adapter(self, key: str, request_id: str, lora_name: str) -> None:
+        """``key`` runs under the LoRA adapter ``lora_name``."""
+        with self._lock:
+            s = self._summary(key, request_id, time.monotonic())
+            s.lora = lora_name
             self._version += 1
 
     def on_replica(self, key: str, replica: int) -> None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from nbengine.frontend.engine import Engine
     from nbengine.frontend.handles import RequestHandle
     from nbengine.llm import LLM
+    from nbengine.lora.request import LoRARequest
     from nbengine.outputs import RequestOutput
     from nbengine.sampling_params import SamplingParams
 
@@ -89,12 +90,15 @@ def engine_chat(
     messages: Conversation,
     params: SamplingParams | None,
     request_id: str | None,
+    lora_request: LoRARequest | None = None,
     **template_options: Any,
 ) -> RequestHandle:
     """``Engine.chat``: render, then ``engine.generate`` the ids; the handle's ``prompt``
     is the rendered text."""
     prompt = render_chat(engine.tokenizer, messages, **template_options)
-    handle = engine.generate(prompt.token_ids, params, request_id=request_id)
+    handle = engine.generate(
+        prompt.token_ids, params, request_id=request_id, lora_request=lora_request
+    )
     handle.prompt = prompt.text  # generate() saw ids only; show the user what was sent
     return handle
 
