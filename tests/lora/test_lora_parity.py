@@ -16,8 +16,9 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-import nbengine as nb  # noqa: E402
-from lora_setup import N_NEW, PROMPTS, hf_greedy, make_adapter, tiny  # noqa: E402
+from lora_setup import N_NEW, PROMPTS, hf_greedy, make_adapter, tiny
+
+import nbengine as nb
 
 GREEDY = nb.SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
 
@@ -61,7 +62,9 @@ class Case:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Case]:
+def case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Case]:
     c = Case(tmp_path_factory.mktemp(f"lora-{request.param}"), request.param)
     try:
         yield c
@@ -134,3 +137,17 @@ def test_chat_takes_a_lora_request(case: Case) -> None:
     assert h.lora_request is case.a
     expected = hf_greedy(case.peft_a, list(h.prompt_token_ids))
     assert h.result(timeout=120).outputs[0].token_ids == expected
+
+
+def test_device_path_mixed_batch_matches_peft(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device path (torch ops, one staged copy per step; run on the CPU here)."""
+    monkeypatch.setenv("NBENGINE_DEVICE_PATH", "1")
+    plan = [("a", 0), ("base", 1), ("b", 2), ("a", 2)]
+    with nb.Engine(
+        case.base, dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=128
+    ) as engine:
+        handles = engine.generate_many(
+            [case.ids[i] for _, i in plan], [GREEDY] * len(plan), [case.lora(w) for w, _ in plan]
+        )
+        got = [h.result(timeout=120).outputs[0].token_ids for h in handles]
+    assert got == [case.ref(w, i) for w, i in plan]
