@@ -282,6 +282,10 @@ class Engine(NotebookFacade):
         """The ids of the loaded LoRA adapters (vLLM's ``list_loras``)."""
         return self._loras.list_ids()
 
+    def lora_by_name(self, lora_name: str) -> LoRARequest | None:
+        """The loaded LoRA adapter called ``lora_name`` (the server's ``model``), or None."""
+        return self._loras.by_name(lora_name)
+
     def lora_requests(self) -> list[LoRARequest]:
         """The loaded LoRA adapters, by id (the server lists them in /v1/models)."""
         return self._loras.requests()

@@ -18,6 +18,8 @@ from lora_setup import N_NEW, PROMPTS, hf_greedy, make_adapter, tiny
 import nbengine as nb
 from nbengine.frontend.lora import LoRAInUseError
 
+from support.requests import wait_until
+
 GREEDY = nb.SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
 LONG = nb.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
@@ -127,3 +129,24 @@ def test_adapter_name_in_request_stats_and_handle(engine: nb.Engine, setup: Setu
     rows = dict(zip(df["request_id"], df["lora"]))
     assert rows["with"] == "ad0"
     assert pd.isna(rows["without"])
+
+
+def test_handle_widget_and_dashboard_name_the_adapter(engine: nb.Engine, setup: Setup) -> None:
+    dash = engine.dashboard()
+    with_lora = engine.generate(PROMPTS[0], LONG, lora_request=setup.request(0), request_id="w")
+    plain = engine.generate(PROMPTS[0], LONG, request_id="p")
+    try:
+        assert "nbengine-lora" in with_lora.widget().title.value
+        assert "ad0" in with_lora.widget().title.value
+        assert "nbengine-lora" not in plain.widget().title.value
+
+        def cell(rid: str) -> str | None:
+            return next((r.id_cell.value for r in dash.rows if r.request_id == rid), None)
+
+        wait_until(lambda: cell("w") is not None and cell("p") is not None, what="both rows")
+        w, p = cell("w"), cell("p")
+        assert w is not None and "nbengine-lora" in w and "ad0" in w
+        assert p is not None and "nbengine-lora" not in p
+    finally:
+        with_lora.cancel()
+        plain.cancel()
