@@ -17,6 +17,8 @@ from lora_setup import N_NEW, PROMPTS, hf_greedy, make_adapter, tiny
 
 import nbengine as nb
 from nbengine.frontend.lora import LoRAInUseError
+from nbengine.model.errors import ModelLoadError
+from nbengine.testing import make_hub_cache
 
 from support.requests import wait_until
 
@@ -150,3 +152,20 @@ def test_handle_widget_and_dashboard_name_the_adapter(engine: nb.Engine, setup: 
     finally:
         with_lora.cancel()
         plain.cancel()
+
+
+def test_adapter_by_hub_id_from_the_hub_cache(
+    engine: nb.Engine, setup: Setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub id resolves through model/hub.py: the Hub cache, offline here."""
+    cache = tmp_path / "hub"
+    make_hub_cache(cache, "someone/tiny-lora", setup.adapters[0][0])
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    req = nb.LoRARequest("hub", 1, "someone/tiny-lora")
+    ids = list(engine.tokenizer.encode(PROMPTS[1]))
+    out = engine.generate(ids, GREEDY, lora_request=req).result(timeout=120)
+    assert out.outputs[0].token_ids == setup.ref(0, ids)
+    with pytest.raises(ModelLoadError, match="not in the Hub cache"):
+        engine.add_lora(nb.LoRARequest("gone", 2, "someone/missing-lora"))
+    assert engine.list_loras() == {1}
