@@ -3,6 +3,7 @@ oracle (greedy, float32)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen2": ["q_proj", "v_proj", "down_proj"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "gemma2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # stored fused
 }
 PROMPTS = ["the quick brown fox", "hello world, this is", "one two three four five six"]
 N_NEW = 8
@@ -60,4 +63,11 @@ def hf_greedy(model: Any, ids: list[int], n_new: int = N_NEW) -> list[int]:
 
 
 def tiny(path: Path, arch: str) -> Path:
+    """A tiny random base: nbengine.testing's archs, or one written by transformers
+    itself (tests/model/hf_tiny.py) for Gemma 2 and Phi-3."""
+    if arch in ("gemma2", "phi3"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
+        from hf_tiny import make_hf_model
+
+        return make_hf_model(path, arch)
     return make_tiny_model(path, arch)

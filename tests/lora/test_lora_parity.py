@@ -61,7 +61,7 @@ class Case:
         return h.result(timeout=120)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2", "gemma2", "phi3"])
 def case(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Case]:
