@@ -2,19 +2,25 @@
 
 Every linear layer of the model that a PEFT adapter may target (all but the head) gets
 a thin forward hook: its base forward (``nn.Linear``, a packed native layer, or a
-quantized one: ops/linear.py, ops/quant.py) runs unchanged, then, for each adapter
-present in the step, the rows of that adapter's requests gain
-``(x[rows] @ A^T) @ B^T`` in float32 (``B`` holds the scale), added in the output's dtype.
-Rows are grouped by adapter once per step (``begin_step``): a contiguous run of rows is
-a slice, anything else one index tensor, so a layer's cost is two small matmuls per
-adapter in the step. A step without adapter rows costs one ``None`` check per layer.
+quantized one: ops/linear.py, ops/quant.py) runs unchanged, then the step's rows gain
+their adapters' deltas in two float32 matmuls for the whole batch, whatever the number
+of adapters in it (the shrink and expand of Punica / S-LoRA, done densely):
+
+    xa = x @ A_all^T          A_all: every loaded adapter's A, stacked  [cols, in]
+    xa *= mask                mask[row, col] = 1 where col belongs to row's adapter
+    out += xa @ B_all^T       B_all: their B's side by side, scale in    [out, cols]
+
+so each row gets exactly its own adapter's delta (the other adapters' columns are
+multiplied by exact zeros) and base-model rows get none. The mask is built once per
+step per column layout (``begin_step``). With ranks r of at most a few dozen, ``cols``
+is small beside ``out``, so the two products cost a small fraction of the layer's own.
+A step without adapter rows costs one ``None`` check per layer.
 
 Fused layers: a module of ours may hold several of the checkpoint's (q/k/v in
 ``qkv_proj``, gate/up in ``gate_up_proj``; model/weight_map.py's ``CheckpointLayout``
-says which rows each fills). The adapters' factors of its parts are stacked: ``A`` is
-their ``A``s one above the other ``[parts * r, in]``, ``B`` is block-diagonal
-``[out, parts * r]`` (zero outside each part's rows and rank columns), so the fused
-output gets exactly each part's own delta.
+says which rows each fills). An adapter's factors of its parts are stacked: its ``A``s
+one above the other, its ``B`` block-diagonal (zero outside each part's rows and rank
+columns), so the fused output gets exactly each part's own delta.
 
 Threads: the hooks run on the core thread; ``add``/``remove`` run there too (between
 steps, as UTILITY calls), so no lock is needed.
@@ -55,10 +61,20 @@ class _Target:
     parts: dict[str, tuple[int, int]]
     # adapter id -> (A [R, in], B [out, R]) on the model's device, scale in B
     factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Every adapter's factors side by side (A_all, B_all) and the adapter id of each
+    # column (as a tuple: the key of the step's mask); rebuilt by add / remove.
+    stacked: tuple[torch.Tensor, torch.Tensor, tuple[int, ...], torch.Tensor] | None = None
 
-
-# One step's row groups: (adapter id, rows), rows a slice or an index tensor.
-Groups = list[tuple[int, "slice | torch.Tensor"]]
+    def restack(self, device: torch.device) -> None:
+        if not self.factors:
+            self.stacked = None
+            return
+        ids = sorted(self.factors)
+        a_all = torch.cat([self.factors[i][0] for i in ids], dim=0).contiguous()
+        b_all = torch.cat([self.factors[i][1] for i in ids], dim=1).contiguous()
+        cols = tuple(i for i in ids for _ in range(self.factors[i][0].shape[0]))
+        col_ids = torch.tensor(cols, dtype=torch.int64, device=device)
+        self.stacked = (a_all.to(device), b_all.to(device), cols, col_ids)
 
 
 class LoRALayers:
@@ -69,7 +85,9 @@ class LoRALayers:
         if layout is None:
             raise TypeError(f"{type(model).__name__} declares no checkpoint_layout.")
         self.device = torch.device(device)
-        self._groups: Groups | None = None
+        # The step's per-row adapter ids (None: no adapter rows) and its masks by layout.
+        self._row_ids: torch.Tensor | None = None
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
         self._targets: list[_Target] = []
         self._by_module: dict[str, _Target] = {}
         self.adapters: dict[int, AdapterWeights] = {}
@@ -132,6 +150,8 @@ class LoRALayers:
         for path, parts in per_target.items():
             target = by_path[path]
             target.factors[adapter.int_id] = self._stack(target, parts, adapter.scale)
+        for t in self._targets:
+            t.restack(self.device)
         self.adapters[adapter.int_id] = adapter
 
     def _stack(
@@ -148,48 +168,42 @@ class LoRALayers:
         for offset, rows, a, b in parts:
             big_b[offset : offset + rows, col : col + a.shape[0]] = b * scale
             col += a.shape[0]
-        return big_a.to(self.device).contiguous(), big_b.to(self.device).contiguous()
+        return big_a.contiguous(), big_b.contiguous()
 
     def remove(self, int_id: int) -> bool:
         """Drop adapter ``int_id``; False if it was not loaded."""
         if self.adapters.pop(int_id, None) is None:
             return False
         for t in self._targets:
-            t.factors.pop(int_id, None)
+            if t.factors.pop(int_id, None) is not None:
+                t.restack(self.device)
         return True
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, spans: Sequence[tuple[int, int]]) -> bool:
-        """Group the step's rows by adapter; ``spans`` is ``(adapter id, rows)`` per chunk
+        """Note the step's rows' adapters; ``spans`` is ``(adapter id, rows)`` per chunk
         in row order (id 0: the base model). True when any row has an adapter."""
-        runs: dict[int, list[tuple[int, int]]] = {}
-        row = 0
-        for int_id, n in spans:
-            if int_id:
-                runs.setdefault(int_id, []).append((row, row + n))
-            row += n
-        if not runs:
-            self._groups = None
+        self._masks = {}
+        if not any(int_id for int_id, _ in spans):
+            self._row_ids = None
             return False
-        groups: Groups = []
-        for int_id, ranges in runs.items():
-            merged: list[tuple[int, int]] = []
-            for start, end in ranges:
-                if merged and merged[-1][1] == start:
-                    merged[-1] = (merged[-1][0], end)
-                else:
-                    merged.append((start, end))
-            if len(merged) == 1:
-                groups.append((int_id, slice(*merged[0])))
-            else:
-                idx = [i for start, end in merged for i in range(start, end)]
-                groups.append((int_id, torch.tensor(idx, dtype=torch.int64, device=self.device)))
-        self._groups = groups
+        ids = [int_id for int_id, n in spans for _ in range(n)]
+        self._row_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return True
 
     def end_step(self) -> None:
-        """Forget the step's groups (every later forward runs the base model only)."""
-        self._groups = None
+        """Forget the step's rows (every later forward runs the base model only)."""
+        self._row_ids = None
+        self._masks = {}
+
+    def _mask(self, cols: tuple[int, ...], col_ids: torch.Tensor) -> torch.Tensor:
+        """``[rows, cols]`` float32: 1 where the column belongs to the row's adapter."""
+        mask = self._masks.get(cols)
+        if mask is None:
+            assert self._row_ids is not None
+            mask = (self._row_ids[:, None] == col_ids[None, :]).to(torch.float32)
+            self._masks[cols] = mask
+        return mask
 
     # ------------------------------------------------------------------ the hook
     def _install(self, module: nn.Module, target: _Target) -> None:
@@ -198,20 +212,14 @@ class LoRALayers:
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             out = base(x, *args, **kwargs)
-            groups = layers._groups
-            if groups is None or not target.factors:
+            stacked = target.stacked
+            if layers._row_ids is None or stacked is None:
                 return out
+            a_all, b_all, cols, col_ids = stacked
             x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-            for int_id, rows in groups:
-                factors = target.factors.get(int_id)
-                if factors is None:
-                    continue
-                a, b = factors
-                delta = (x2[rows].float() @ a.t()) @ b.t()
-                if isinstance(rows, slice):
-                    out2[rows] += delta.to(out2.dtype)
-                else:
-                    out2.index_add_(0, rows, delta.to(out2.dtype))
+            xa = x2.float() @ a_all.t()
+            xa *= layers._mask(cols, col_ids)
+            out2 += (xa @ b_all.t()).to(out2.dtype)
             return out
 
         # An instance attribute: module.forward(x) and module(x) both reach it, and the
