@@ -127,10 +127,12 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
         """The assistant's reply to one conversation or to each of a list of them, as vLLM's
         ``LLM.chat``: one output per conversation, in order, whose ``prompt`` is the
-        rendered conversation. The template options are ``Engine.chat``'s."""
+        rendered conversation. The template options, ``tools`` and ``tool_call_parser``
+        (parsed calls on each output) are ``Engine.chat``'s."""
         from nbengine.frontend.chat import llm_chat
 
         return llm_chat(
@@ -138,6 +140,7 @@ class LLM:
             messages,
             sampling_params,
             use_tqdm,
+            tool_call_parser,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nbengine.request import RequestStatus
+
+if TYPE_CHECKING:
+    from nbengine.tool_parsers import ToolCall
 
 
 @dataclass(slots=True)
@@ -22,7 +26,13 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One completion of a request (``index`` distinguishes the n>1 samples)."""
+    """One completion of a request (``index`` distinguishes the n>1 samples).
+
+    ``tool_calls`` and ``content`` are set on the final output of a chat with tools
+    (``Engine.chat(..., tools=...)``, docs/api.md): the calls parsed from ``text`` and
+    ``text`` without them (None when nothing else is left); ``text`` stays the model's
+    whole reply. Both are None otherwise.
+    """
 
     index: int
     text: str
@@ -31,6 +41,8 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

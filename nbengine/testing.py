@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +172,13 @@ def _base_config(arch: str, vocab: int, ids: dict[str, int | None]) -> dict[str,
     return cfg
 
 
-def _decoder_weights(
-    cfg: dict[str, Any], gen: torch.Generator, std: float
-) -> dict[str, torch.Tensor]:
+# A weight still to be drawn: its shape, and the call that draws it. The calls run in
+# the order the weights are listed, so the random stream (and the weights) are the same
+# whether the file is written at once or streamed tensor by tensor.
+_Lazy = tuple[tuple[int, ...], Callable[[], torch.Tensor]]
+
+
+def _decoder_weights(cfg: dict[str, Any], gen: torch.Generator, std: float) -> dict[str, _Lazy]:
     h = cfg["hidden_size"]
     n_heads = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_heads
@@ -187,13 +194,13 @@ def _decoder_weights(
     if cfg.get("tie_word_embeddings"):
         embed_std, std = std, std * 2.0
 
-    def rnd(*shape: int, s: float = std) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * s
+    def rnd(*shape: int, s: float = std) -> _Lazy:
+        return shape, lambda: torch.randn(*shape, generator=gen) * s
 
-    def norm(n: int) -> torch.Tensor:
-        return 1.0 + rnd(n, s=0.1)
+    def norm(n: int) -> _Lazy:
+        return (n,), lambda: 1.0 + torch.randn(n, generator=gen) * 0.1
 
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(vocab, h, s=embed_std)}
+    w: dict[str, _Lazy] = {"model.embed_tokens.weight": rnd(vocab, h, s=embed_std)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(h)
@@ -224,22 +231,22 @@ def _decoder_weights(
     return w
 
 
-def _gpt2_weights(cfg: dict[str, Any], gen: torch.Generator, std: float) -> dict[str, torch.Tensor]:
+def _gpt2_weights(cfg: dict[str, Any], gen: torch.Generator, std: float) -> dict[str, _Lazy]:
     h = cfg["n_embd"]
     inner = cfg.get("n_inner") or 4 * h
     vocab = cfg["vocab_size"]
 
-    def rnd(*shape: int, s: float = std) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * s
+    def rnd(*shape: int, s: float = std, plus: float = 0.0) -> _Lazy:
+        return shape, lambda: plus + torch.randn(*shape, generator=gen) * s
 
-    w: dict[str, torch.Tensor] = {
+    w: dict[str, _Lazy] = {
         "transformer.wte.weight": rnd(vocab, h, s=0.1),
         "transformer.wpe.weight": rnd(cfg["n_positions"], h, s=0.1),
     }
     for i in range(cfg["n_layer"]):
         p = f"transformer.h.{i}."
         for ln in ("ln_1", "ln_2"):
-            w[p + ln + ".weight"] = 1.0 + rnd(h, s=0.1)
+            w[p + ln + ".weight"] = rnd(h, s=0.1, plus=1.0)
             w[p + ln + ".bias"] = rnd(h, s=0.1)
         # GPT-2 Conv1D weights are stored [in, out].
         w[p + "attn.c_attn.weight"] = rnd(h, 3 * h)
@@ -250,11 +257,39 @@ def _gpt2_weights(cfg: dict[str, Any], gen: torch.Generator, std: float) -> dict
         w[p + "mlp.c_fc.bias"] = rnd(inner)
         w[p + "mlp.c_proj.weight"] = rnd(inner, h)
         w[p + "mlp.c_proj.bias"] = rnd(h)
-    w["transformer.ln_f.weight"] = 1.0 + rnd(h, s=0.1)
+    w["transformer.ln_f.weight"] = rnd(h, s=0.1, plus=1.0)
     w["transformer.ln_f.bias"] = rnd(h, s=0.1)
     if not cfg.get("tie_word_embeddings", True):
         w["lm_head.weight"] = rnd(vocab, h)
     return w
+
+
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _stream_safetensors(target: Path, weights: dict[str, _Lazy], dtype: torch.dtype) -> None:
+    """Write ``weights`` as a safetensors file in ``dtype``, drawing one tensor at a time
+    (the header first: every shape is known before any tensor is drawn). Written to a
+    temporary name and renamed, so a file at ``target`` is always complete."""
+    code = _ST_DTYPES[str(dtype).removeprefix("torch.")]
+    size = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for name, (shape, _) in weights.items():
+        n = math.prod(shape) * size
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    tmp = target.with_name(target.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, make in weights.values():
+            t = make().to(dtype).contiguous()
+            f.write(t.view(torch.uint8).numpy().data)
+            del t
+    tmp.replace(target)
 
 
 def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **config: Any) -> Path:
@@ -265,6 +300,10 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **conf
     ``num_key_value_heads``, ``tie_word_embeddings``, ``rope_scaling``, ``vocab_size``...;
     GPT-2 uses its own names: ``n_embd``, ``n_layer``, ``n_head``, ``n_positions``).
     ``weight_std`` (not a config field) sets the std of the random projections;
+    ``weights_dtype`` (not a config field: "float32", "bfloat16" or "float16") writes the
+    weights in that dtype tensor by tensor (one tensor in memory at a time: the bench's
+    models in real shapes, bench/workloads.py) and sets ``torch_dtype``; without it they
+    are float32, written at once;
     ``chat_template`` (not a config field) is written into tokenizer_config.json
     (``QWEN_CHAT_TEMPLATE`` suits the qwen archs, whose tokenizers have ``<|im_start|>``
     and ``<|im_end|>``).
@@ -273,6 +312,11 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **conf
     if arch not in ARCHS:
         raise ValueError(f"Unknown arch {arch!r}; choose one of {ARCHS}.")
     std = float(config.pop("weight_std", 0.08))
+    weights_dtype: str | None = config.pop("weights_dtype", None)
+    if weights_dtype is not None and weights_dtype not in _ST_DTYPES:
+        raise ValueError(
+            f"weights_dtype must be one of {tuple(_ST_DTYPES)}, got {weights_dtype!r}."
+        )
     chat_template: str | None = config.pop("chat_template", None)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -298,11 +342,15 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **conf
         weights = _gpt2_weights(cfg, gen, std * 2.5)
     else:
         weights = _decoder_weights(cfg, gen, std)
-    save_file(
-        {k: v.contiguous() for k, v in weights.items()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    if weights_dtype is None:
+        save_file(
+            {k: make().contiguous() for k, (_, make) in weights.items()},
+            str(path / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+    else:
+        cfg["torch_dtype"] = weights_dtype
+        _stream_safetensors(path / "model.safetensors", weights, getattr(torch, weights_dtype))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     (path / "tokenizer.json").write_text(tok_json)
 

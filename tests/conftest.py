@@ -20,12 +20,18 @@ on CI; the plugin is tests/support/required_tests.py.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# Quantized loads in tests write their load cache (model/load_cache.py) here, never into
+# the user's cache; the worker processes of the bench and server tests inherit it.
+os.environ.setdefault("NBENGINE_LOAD_CACHE", tempfile.mkdtemp(prefix="nbengine-load-cache-"))
 
 import nbengine as nb
 from nbengine.testing import make_tiny_model

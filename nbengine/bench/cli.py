@@ -23,6 +23,7 @@ def add_bench_parser(
 ) -> None:
     """Add the ``bench`` subcommand to ``sub`` (argparse subparsers); ``help_text`` is its
     line in ``nbengine --help``."""
+    from nbengine.bench.workloads import DEFAULT_SHAPE, SHAPES
     from nbengine.cli_args import positive_int
 
     bench = sub.add_parser(
@@ -39,6 +40,13 @@ def add_bench_parser(
         "--model",
         default=None,
         help="model directory or Hub id (default: random weights in SmolLM2-135M's shape)",
+    )
+    bench.add_argument(
+        "--shape",
+        default=None,
+        choices=tuple(SHAPES),
+        help="random weights in this real model's dimensions, bfloat16, written once to "
+        f"the cache (default without --model: {DEFAULT_SHAPE})",
     )
     bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
     bench.add_argument(
@@ -113,6 +121,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
 
     from nbengine.bench import BenchConfig, format_report, run_bench
     from nbengine.bench.config import peer_engines
+    from nbengine.bench.workloads import DEFAULT_SHAPE
     from nbengine.cli_args import check_model_arg
 
     engines = bench_engines(args)
@@ -122,12 +131,15 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         for e, why in skipped.items():
             print(f"--peers: skipping {e}: {why}", file=sys.stderr, flush=True)
     model = check_model_arg(args.model)
+    if model is not None and args.shape is not None:
+        raise SystemExit("nbengine bench: give --model or --shape, not both.")
     if model is not None and not Path(model).is_dir():  # a Hub id: the engines need files
         from nbengine.model import resolve_model_dir
 
         model = str(resolve_model_dir(model))
     config = BenchConfig(
         model_dir=model,
+        shape=args.shape or DEFAULT_SHAPE,
         workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
         engines=engines,
         dtype=args.dtype,

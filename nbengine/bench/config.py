@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbengine.bench.workloads import ALL_WORKLOADS
+from nbengine.bench.workloads import ALL_WORKLOADS, DEFAULT_SHAPE, SHAPES
 
 __all__ = [
     "ALL_ENGINES",
@@ -67,8 +67,9 @@ def peer_engines() -> tuple[tuple[str, ...], dict[str, str]]:
 class BenchConfig:
     """What ``run_bench`` runs, and how.
 
-    ``model_dir`` None builds the SmolLM2-135M-shaped random model into ``cache_dir``
-    (default ``$NBENGINE_CACHE/bench``). ``engine_kwargs`` are extra ``nb.Engine``
+    ``model_dir`` None builds a random model in ``shape``'s dimensions (``SHAPES`` in
+    bench/workloads.py; SmolLM2-135M's by default) into ``cache_dir`` (default
+    ``$NBENGINE_CACHE/bench``). ``engine_kwargs`` are extra ``nb.Engine``
     arguments on top of the bench's (64 sequences, 512 batched tokens). ``threads`` is
     the torch thread count of every engine alike (None: the physical cores).
     ``omp_wait_policy`` is the ``OMP_WAIT_POLICY`` of every engine's process, or None for
@@ -82,6 +83,7 @@ class BenchConfig:
     """
 
     model_dir: str | Path | None = None
+    shape: str = DEFAULT_SHAPE
     workloads: tuple[str, ...] = ALL_WORKLOADS
     engines: tuple[str, ...] = DEFAULT_ENGINES
     dtype: str = "bfloat16"
@@ -104,6 +106,8 @@ class BenchConfig:
         self.workloads = tuple(self.workloads)
         self.engines = tuple(self.engines)
         self.engine_kwargs = dict(self.engine_kwargs or {})
+        if self.shape not in SHAPES:
+            raise ValueError(f"shape must be one of {tuple(SHAPES)}, got {self.shape!r}.")
         for w in self.workloads:
             if w not in ALL_WORKLOADS:
                 raise ValueError(f"Unknown workload {w!r}; choose from {ALL_WORKLOADS}.")

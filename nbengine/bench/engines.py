@@ -89,12 +89,22 @@ class NbengineDriver:
         self.model_dir = model_dir
         self.dtype = dtype
         self.engine_kwargs = dict(engine_kwargs or {})
+        # The first engine's load: when it was ready (time.time()), the process's memory
+        # then, and what its memory plan counts (weights, KV cache).
+        self.first_load: dict[str, Any] | None = None
 
     def _engine(self, **overrides: Any) -> tuple[Any, _TokenTimes]:
+        from nbengine.bench.machine import process_memory
         from nbengine.frontend.engine import Engine
 
         kw = {"dtype": self.dtype, **self.engine_kwargs, **overrides}
         engine = Engine(str(self.model_dir), **kw)
+        if self.first_load is None:
+            self.first_load = {"ready_time": time.time(), **process_memory()}
+            plan = engine.memory_plan  # in-process engines only
+            if plan is not None:
+                self.first_load["weights_bytes"] = plan.weights_bytes
+                self.first_load["kv_cache_bytes"] = plan.kv_cache_bytes
         timer = _TokenTimes()
         engine.add_observer(timer)
         return engine, timer

@@ -24,6 +24,36 @@ from typing import Any
 import torch
 
 
+def process_memory() -> dict[str, int]:
+    """This process's resident memory now and its peak so far (bytes: ``rss_bytes``,
+    ``peak_rss_bytes``, from /proc/self/status' VmRSS and VmHWM); {} off Linux."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key == "VmRSS":
+                    out["rss_bytes"] = int(rest.split()[0]) * 1024
+                elif key == "VmHWM":
+                    out["peak_rss_bytes"] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def process_start_time() -> float | None:
+    """When this process started, in ``time.time()`` seconds (Linux /proc); None elsewhere."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of stat, starttime: clock ticks after boot
+        with open("/proc/stat", encoding="ascii") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def _times(fn: Any, reps: int, warmup: int = 1) -> list[float]:
     """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones, sorted."""
     for _ in range(warmup):

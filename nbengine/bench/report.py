@@ -12,6 +12,7 @@ from nbengine.bench.engines import RunResult
 __all__ = [
     "TARGETS",
     "format_report",
+    "load_figures",
     "median_run",
     "percentile",
     "spread_warnings",
@@ -271,6 +272,7 @@ def format_report(report: dict[str, Any]) -> str:
             "bandwidth or FLOP/s reading was taken while the machine was busy, or the "
             "workload fits in caches (--quick); compare the engines with each other)"
         )
+    lines.extend(_load_lines(report["results"]))
     a = report.get("abort") or {}
     if a:
         if "error" in a:
@@ -299,6 +301,68 @@ def format_report(report: dict[str, Any]) -> str:
         lines.extend(f"  {w}" for w in warnings)
     lines.append(f"elapsed {report['elapsed_s']:.0f} s")
     return "\n".join(lines)
+
+
+def load_figures(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each engine's load: process start -> ready and -> first token (seconds), resident
+    memory at ready and its peak during the load, resident after the run (bytes), from
+    its first workload's median run; for nbengine also the weights + KV cache its memory
+    plan counts, and the ratios resident / (weights + KV) and peak / resident."""
+    out: dict[str, dict[str, Any]] = {}
+    for per in results.values():
+        for e, r in per.items():
+            if e in out or "error" in r or "start_to_ready_s" not in r:
+                continue
+            fig: dict[str, Any] = {
+                k: r.get(k)
+                for k in (
+                    "start_to_ready_s",
+                    "start_to_first_token_s",
+                    "rss_ready_bytes",
+                    "peak_rss_load_bytes",
+                    "weights_bytes",
+                    "kv_cache_bytes",
+                )
+            }
+            fig["rss_after_run_bytes"] = (r.get("memory_after_run") or {}).get("rss_bytes")
+            rss, peak = fig["rss_ready_bytes"], fig["peak_rss_load_bytes"]
+            planned = (fig["weights_bytes"] or 0) + (fig["kv_cache_bytes"] or 0)
+            if rss and planned:
+                fig["resident_over_planned"] = rss / planned
+            if rss and peak:
+                fig["peak_over_resident"] = peak / rss
+            out[e] = fig
+    return out
+
+
+def _load_lines(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    figs = load_figures(results)
+    if not figs:
+        return []
+    gib = float(1 << 30)
+
+    def g(x: Any) -> str:
+        return "-" if not isinstance(x, (int, float)) else f"{x / gib:.2f}"
+
+    lines = [
+        "",
+        f"{'load':<26}{'start->ready s':>15}{'->1st token s':>14}{'RSS ready':>10}"
+        f"{'peak load':>10}{'RSS after':>10}{'weights+KV':>11}{'RSS/plan':>9}{'peak/RSS':>9}",
+    ]
+    for e, f in figs.items():
+        planned = (f["weights_bytes"] or 0) + (f["kv_cache_bytes"] or 0)
+        lines.append(
+            f"{e:<26}{_f(f['start_to_ready_s'], '{:.2f}'):>15}"
+            f"{_f(f['start_to_first_token_s'], '{:.2f}'):>14}{g(f['rss_ready_bytes']):>10}"
+            f"{g(f['peak_rss_load_bytes']):>10}{g(f['rss_after_run_bytes']):>10}"
+            f"{g(planned or None):>11}{_f(f.get('resident_over_planned'), '{:.2f}'):>9}"
+            f"{_f(f.get('peak_over_resident'), '{:.2f}'):>9}"
+        )
+    lines.append(
+        "(memory in GiB, of the engine's process, after its first load: RSS ready = "
+        "VmRSS then, peak load = VmHWM then; weights+KV: nbengine's memory plan)"
+    )
+    return lines
 
 
 def _range(r: dict[str, Any]) -> str:

@@ -35,7 +35,7 @@ from nbengine.bench.machine import (
     physical_cores,
     workload_bound,
 )
-from nbengine.bench.report import median_run, spread_warnings, targets
+from nbengine.bench.report import load_figures, median_run, spread_warnings, targets
 from nbengine.bench.worker import Job
 from nbengine.bench.workloads import bench_model_dir, make_workloads, scaled
 
@@ -71,7 +71,9 @@ class _Run:
         self.say = say
         self.t_start = time.time()
         self.path = (
-            Path(cfg.model_dir) if cfg.model_dir is not None else bench_model_dir(cfg.cache_dir)
+            Path(cfg.model_dir)
+            if cfg.model_dir is not None
+            else bench_model_dir(cfg.cache_dir, cfg.shape)
         )
         self.hf_cfg: dict[str, Any] = json.loads((self.path / "config.json").read_text())
         self.tdtype: torch.dtype = getattr(torch, cfg.dtype)
@@ -120,6 +122,7 @@ class _Run:
         return {
             "config": {
                 "model_dir": str(self.path),
+                "shape": cfg.shape if cfg.model_dir is None else None,
                 "dtype": cfg.dtype,
                 "quantization": cfg.quantization,
                 "scale": cfg.scale,
@@ -156,6 +159,7 @@ class _Run:
             },
             "machine": machine,
             "results": results,
+            "load": load_figures(results),
             "bounds": bounds,
             "abort": abort,
             "engine_errors": self.errors,

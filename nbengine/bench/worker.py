@@ -134,7 +134,7 @@ def run_job(job: Job) -> dict[str, Any]:
     """Run ``job`` in this process and return its summary (figures, or an error)."""
     import torch
 
-    from nbengine.bench.machine import probe
+    from nbengine.bench.machine import probe, process_memory
     from nbengine.bench.report import percentile, summarise, to_ms
     from nbengine.bench.workloads import make_workloads
 
@@ -143,11 +143,13 @@ def run_job(job: Job) -> dict[str, Any]:
     t_load = time.perf_counter()
     driver = _driver(job)
     out: dict[str, Any] = {"load_s": time.perf_counter() - t_load}
+    loaded = {"ready_time": time.time(), **process_memory()}
     t_warm = time.perf_counter()
     warm = driver.run(_warmup(wl), **job.overrides)
     if warm.error:
         raise RuntimeError(f"warm-up failed: {warm.error}")
     out["warmup_s"] = time.perf_counter() - t_warm
+    out.update(_load_figures(driver, loaded, warm))
     dtype = getattr(torch, job.dtype)
     out["probe_before"] = probe(dtype)
     out["load_average_before"] = list(os.getloadavg())
@@ -164,8 +166,35 @@ def run_job(job: Job) -> dict[str, Any]:
     else:
         out.update(summarise(driver.run(wl, **job.overrides)))
     out["load_average_after"] = list(os.getloadavg())
+    out["memory_after_run"] = process_memory()
     out["probe_after"] = probe(dtype)
     out["process"] = _process_state()
+    return out
+
+
+def _load_figures(driver: Any, loaded: dict[str, Any], warm: Any) -> dict[str, Any]:
+    """Process start -> engine ready and -> first token (of the warm-up), and the memory
+    at ready: ``loaded`` was taken when the driver was made, which is when the peers load;
+    nbengine loads in its first run (``NbengineDriver.first_load``). The first token is
+    the warm-up's first TTFT after its start (nbengine's: after its engine was ready)."""
+    from nbengine.bench.machine import process_start_time
+
+    first = getattr(driver, "first_load", None) or loaded
+    start = process_start_time()
+    out: dict[str, Any] = {
+        "rss_ready_bytes": first.get("rss_bytes"),
+        "peak_rss_load_bytes": first.get("peak_rss_bytes"),
+    }
+    for key in ("weights_bytes", "kv_cache_bytes"):
+        if key in first:
+            out[key] = first[key]
+    if start is not None:
+        ready = first["ready_time"]
+        out["start_to_ready_s"] = ready - start
+        if warm.ttft_s:
+            # The warm-up's TTFTs count from its t0: its start (the peers: at once after
+            # ``loaded``), or its engine's ready (nbengine): ``ready`` either way.
+            out["start_to_first_token_s"] = ready + min(warm.ttft_s) - start
     return out
 
 

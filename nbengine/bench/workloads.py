@@ -1,7 +1,8 @@
 """The bench's model and workloads: what every engine is given, identical from run to run.
 
-- ``bench_model_dir``: random weights in SmolLM2-135M's shape (Llama), written once to
-  the cache directory and reused by every engine and every run.
+- ``bench_model_dir``: random weights in SmolLM2-135M's shape (Llama), or in another
+  real model's (``SHAPES``: ``nbengine bench --shape NAME``), bfloat16 safetensors
+  written once to the cache directory and reused by every engine and every run.
 - ``make_workloads``: seeded token-id workloads (scale shrinks counts and lengths; all
   greedy with ``ignore_eos``, so every engine produces exactly the requested tokens):
 
@@ -23,6 +24,8 @@ from typing import Any
 
 __all__ = [
     "ALL_WORKLOADS",
+    "DEFAULT_SHAPE",
+    "SHAPES",
     "SMOLLM2_135M",
     "Workload",
     "bench_lora_adapters",
@@ -47,6 +50,72 @@ SMOLLM2_135M: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
 }
 
+# Llama 3.2's RoPE scaling (its config.json's rope_scaling).
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Name -> (make_tiny_model arch, config.json fields): the dimensions of each real model
+# (from its config.json on the Hub), with random weights. The tokenizer is the tiny
+# test one; ids past it are placeholders (the workloads are token ids).
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm2-135m": ("llama", SMOLLM2_135M),
+    "llama-3.2-1b": (
+        "llama",
+        {
+            "hidden_size": 2048,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "intermediate_size": 8192,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 131072,
+            "rope_theta": 500000.0,
+            "rope_scaling": _LLAMA3_ROPE,
+            "rms_norm_eps": 1e-5,
+        },
+    ),
+    "qwen2.5-1.5b": (
+        "qwen2",
+        {
+            "hidden_size": 1536,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "intermediate_size": 8960,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+        },
+    ),
+    "llama-3.2-3b": (
+        "llama",
+        {
+            "hidden_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 8192,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 131072,
+            "rope_theta": 500000.0,
+            "rope_scaling": _LLAMA3_ROPE,
+            "rms_norm_eps": 1e-5,
+        },
+    ),
+}
+DEFAULT_SHAPE = "smollm2-135m"
+
 
 @dataclass(slots=True)
 class Workload:
@@ -68,20 +137,27 @@ class Workload:
         return sum(self.output_lens)
 
 
-def bench_model_dir(cache_dir: str | Path | None = None, **config: Any) -> Path:
-    """A random-initialised model of SmolLM2-135M's shape (or ``config``), cached on disk."""
+def bench_model_dir(
+    cache_dir: str | Path | None = None, shape: str = DEFAULT_SHAPE, **config: Any
+) -> Path:
+    """A random-initialised model in ``shape``'s dimensions (``SHAPES``; ``config``
+    overrides fields), bfloat16 safetensors written once into the cache and reused."""
     from nbengine.testing import make_tiny_model
 
-    cfg = {**SMOLLM2_135M, **config}
-    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {tuple(SHAPES)}, got {shape!r}.")
+    arch, fields = SHAPES[shape]
+    cfg = {**fields, **config}
+    ident = {**cfg, "arch": arch, "weights_dtype": "bfloat16"}
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     root = (
         Path(cache_dir)
         if cache_dir is not None
         else Path(os.environ.get("NBENGINE_CACHE", Path.home() / ".cache" / "nbengine")) / "bench"
     )
-    path = root / f"llama-random-{key}"
+    path = root / f"{shape}-random-{key}"
     if not (path / ".complete").is_file():
-        make_tiny_model(path, arch="llama", seed=0, weight_std=0.02, **cfg)
+        make_tiny_model(path, arch=arch, seed=0, weight_std=0.02, weights_dtype="bfloat16", **cfg)
         (path / ".complete").write_text("ok\n")
     return path
 

@@ -4,7 +4,9 @@ Parts: a system prompt field, temperature and max-tokens controls, the message l
 an input box with Send, Stop and Regenerate buttons, and a status line. Each reply
 streams into a ``StreamingText`` (it follows the newest text while the reader stays at
 the bottom), and the message list itself stays at its newest message. Under each reply:
-its tokens, tokens/s and finish reason.
+its tokens, tokens/s and finish reason. With ``tools``, a reply's tool calls
+(``engine.chat``'s parsed ``tool_calls``) show under its text as ``name(arguments)``,
+and the turn joins ``messages`` with its ``tool_calls`` (OpenAI's shape).
 
 ``panel.messages`` is the conversation as a list of ``{"role", "content"}`` dicts (the
 system prompt first, when set): continue it in code with ``engine.chat(panel.messages)``
@@ -38,6 +40,7 @@ from nbengine.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     from nbengine.frontend.engine import Engine
     from nbengine.frontend.handles import RequestHandle
+    from nbengine.tool_parsers import ToolCall
 
 __all__ = ["ChatPanel"]
 
@@ -57,6 +60,17 @@ def _stats_html(tokens: int, rate: float | None, finish: str | None) -> str:
     )
 
 
+def _tool_calls_html(calls: list[ToolCall]) -> str:
+    """A reply's tool calls, one line each: ``→ name({"arg": ...})``."""
+    rows = "".join(
+        '<div class="nbengine-chat-tool-call" style="font-family:monospace;font-size:12px;'
+        f'background:#f3f0e8;border-radius:4px;padding:2px 6px;margin:2px 0">→ '
+        f"<b>{html.escape(c.name)}</b>({html.escape(c.arguments)})</div>"
+        for c in calls
+    )
+    return rows
+
+
 def _user_html(text: str) -> str:
     return (
         '<div style="white-space:pre-wrap;background:#eef3fb;border-radius:6px;'
@@ -72,7 +86,11 @@ class _Reply:
         self.text.add_class("nbengine-chat-text")
         self.stats = widgets.HTML(_stats_html(0, None, None))
         self.stats.add_class("nbengine-chat-stats")
-        self.box = widgets.VBox([widgets.HTML("<b>assistant</b>"), self.text, self.stats])
+        self.calls = widgets.HTML("")  # the reply's tool calls, once it has ended
+        self.calls.add_class("nbengine-chat-tool-calls")
+        self.box = widgets.VBox(
+            [widgets.HTML("<b>assistant</b>"), self.text, self.calls, self.stats]
+        )
         self.box.add_class("nbengine-chat-reply")
 
 
@@ -81,7 +99,8 @@ class ChatPanel(widgets.VBox):
     conversation (without the system prompt, which ``system_prompt`` sets);
     ``sampling_params`` gives what the controls do not (seed, top_p, stop, ...; the
     engine's defaults otherwise): temperature and max tokens come from the controls;
-    ``chat_template`` replaces the model's own (``engine.chat``'s argument)."""
+    ``chat_template`` replaces the model's own, ``tools`` and ``tool_call_parser`` go
+    to every reply (``engine.chat``'s arguments)."""
 
     def __init__(
         self,
@@ -93,6 +112,8 @@ class ChatPanel(widgets.VBox):
         messages: list[dict[str, str]] | None = None,
         sampling_params: SamplingParams | None = None,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         if not isinstance(system_prompt, str):
             raise TypeError(f"system_prompt must be a str, got {type(system_prompt).__name__}.")
@@ -104,9 +125,11 @@ class ChatPanel(widgets.VBox):
         self._base = sampling_params or engine.get_default_sampling_params()
         self.engine = engine
         self.chat_template = chat_template
+        self.tools = tools
+        self.tool_call_parser = tool_call_parser
         self._recorded: RequestHandle | None = None  # the last reply added to the turns
         self.handle: RequestHandle | None = None  # the reply streaming now (or the last one)
-        self._turns: list[dict[str, str]] = []
+        self._turns: list[dict[str, Any]] = []
         self._reply: _Reply | None = None
         self._trait_writer = TraitWriter()  # writes a trait only when its value changed
         self._updater = UIUpdater(name="nbengine-chat-ui", alive=lambda: engine.is_alive)
@@ -199,7 +222,7 @@ class ChatPanel(widgets.VBox):
     # ------------------------------------------------------------------ public
 
     @property
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """The conversation so far, a new list: the system prompt (when set), then every
         user message and every finished reply (a stopped one with the text it had)."""
         with self.lock:
@@ -319,7 +342,8 @@ class ChatPanel(widgets.VBox):
             self._guard(self.send)
 
     def _params(self) -> SamplingParams:
-        # FINAL_ONLY: the panel reads the live text (handle.snapshot), not the stream.
+        # FINAL_ONLY: the panel reads the handle's view (refreshed on every token update),
+        # not the stream.
         return self._base.replace(
             temperature=float(self.temperature.value),
             max_tokens=int(self.max_tokens.value),
@@ -332,7 +356,12 @@ class ChatPanel(widgets.VBox):
         params = self._params()
         rid = f"chat:{next(_ids)}-{uuid.uuid4().hex[:6]}"
         handle = self.engine.chat(
-            self.messages, params, request_id=rid, chat_template=self.chat_template
+            self.messages,
+            params,
+            request_id=rid,
+            chat_template=self.chat_template,
+            tools=self.tools,
+            tool_call_parser=self.tool_call_parser,
         )
         self.handle = handle
         reply = _Reply()
@@ -364,11 +393,16 @@ class ChatPanel(widgets.VBox):
     def _set(self, w: widgets.Widget, name: str, value: Any) -> None:
         self._trait_writer.set(w, name, value)
 
-    def _finish(self, handle: RequestHandle, text: str, finish: str | None) -> None:
+    def _finish(
+        self, handle: RequestHandle, text: str, finish: str | None, calls: list[ToolCall]
+    ) -> None:
         """Updater thread, lock held: the reply ended; it joins the conversation."""
         if handle is not self.handle:
             return
-        self._turns.append({"role": "assistant", "content": text})
+        turn: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            turn["tool_calls"] = [c.to_openai() for c in calls]
+        self._turns.append(turn)
         self._recorded = handle
         for button, disabled in (
             (self.send_button, False),
@@ -391,7 +425,7 @@ class _ReplyView:
         handle: RequestHandle,
         reply: _Reply,
         set_trait: Callable[[widgets.Widget, str, Any], None],
-        finish: Callable[[RequestHandle, str, str | None], None],
+        finish: Callable[[RequestHandle, str, str | None, list[ToolCall]], None],
     ) -> None:
         # The panel's own trait writer and end-of-reply step (it passes bound methods).
         self.set_trait = set_trait
@@ -400,22 +434,29 @@ class _ReplyView:
         self.reply = reply
 
     def refresh(self) -> bool:
-        snap = self.handle.snapshot()
-        n = int(snap["num_output_tokens"])
-        first, last = snap["first_token_time"], snap["last_token_time"]
+        """Show the reply's latest view (one delivery: its text, count and finish)."""
+        view = self.handle.view
+        n = view.num_output_tokens
+        first, last = view.first_token_time, view.last_token_time
         rate = (
             (n - 1) / (last - first)
             if (first is not None and last is not None and n > 1 and last > first)
             else None
         )
         finish: str | None = None
-        if snap["finished"]:
-            outputs = snap["outputs"]
-            finish = outputs[0]["finish_reason"] if outputs else "error"
-            finish = finish or "error"
-        self.set_trait(self.reply.text, "value", snap["text"])
+        if view.finished:
+            comps = view.completions
+            finish = (comps[0].finish_reason if comps else None) or "error"
+        text = view.text
+        calls: list[ToolCall] = []
+        final = self.handle.final_output if view.finished else None
+        if final is not None and final.outputs and final.outputs[0].tool_calls:
+            calls = final.outputs[0].tool_calls
+            text = final.outputs[0].content or ""  # the call text shows as the calls
+            self.set_trait(self.reply.calls, "value", _tool_calls_html(calls))
+        self.set_trait(self.reply.text, "value", text)
         self.set_trait(self.reply.stats, "value", _stats_html(n, rate, finish))
-        if snap["finished"]:
-            self.finish(self.handle, snap["text"], finish)
+        if view.finished:
+            self.finish(self.handle, text, finish, calls)
             return True
         return False

@@ -1,7 +1,8 @@
 """The live widget of one request: streaming text, status badge, tokens/s, Cancel.
 
 ``HandleWidget`` is created on the caller's thread (``handle.widget()`` or displaying a
-handle). After that only the UI updater writes its traits, through ``HandleView.refresh``,
+handle). After that only the UI updater writes its traits, through ``HandleView.refresh``
+(which reads the handle's published view, never the loop's request state),
 and the Cancel button's callback (on whatever thread the kernel runs it: the main
 thread or a subshell thread) writes two traits under the same lock and schedules the
 abort on the engine loop without waiting for it.
@@ -145,30 +146,33 @@ class HandleView:
         return self._traits.writes
 
     def refresh(self) -> bool:
-        """Show the handle's current state; True once its final state is shown."""
-        h = self.handle
-        snap = h.snapshot()
-        finished: bool = snap["finished"]
-        status: RequestStatus = snap["status"]
+        """Show the handle's latest view; True once its final state is shown.
+
+        One view (one delivery) gives everything shown, and the text is written before
+        the count and the badge: the browser gets trait changes in the order they are
+        written, so it never shows FINISHED with less than the whole text.
+        """
+        view = self.handle.view
+        status = view.status
         if self.cancel_clicked and not RequestStatus.is_finished(status):
             status = RequestStatus.RELEASING
-        n = int(snap["num_output_tokens"])
-        first, last = snap["first_token_time"], snap["last_token_time"]
+        n = view.num_output_tokens
+        first, last = view.first_token_time, view.last_token_time
         rate: float | None = None
         if first is not None and last is not None and n > 1 and last > first:
             rate = (n - 1) / (last - first)  # decode rate: tokens after the first one
         w = self.widget
-        self._set(w.badge, "value", badge_html(status))
-        self._set(w.stats, "value", _stats_html(n, rate))
-        outputs = snap["outputs"]
-        if len(outputs) > 1:  # n > 1: every completion, one after the other
-            text = "\n\n".join(f"── completion {o['index']} ──\n{o['text']}" for o in outputs)
+        comps = view.completions
+        if len(comps) > 1:  # n > 1: every completion, one after the other
+            text = "\n\n".join(f"── completion {c.index} ──\n{c.text}" for c in comps)
         else:
-            text = snap["text"]
+            text = view.text
         self._set(w.text, "value", _shown_text(text))
-        if snap["error"] and finished:
-            self._set(w.title, "tooltip", snap["error"])
-        done = finished and RequestStatus.is_finished(status)
+        self._set(w.stats, "value", _stats_html(n, rate))
+        self._set(w.badge, "value", badge_html(status))
+        if view.error and view.finished:
+            self._set(w.title, "tooltip", view.error)
+        done = view.finished
         self._set(w.cancel_button, "disabled", done or self.cancel_clicked)
         if done:
             self._set(w.cancel_button, "description", "Done")

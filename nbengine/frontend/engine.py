@@ -234,6 +234,7 @@ class Engine(NotebookFacade):
         tools: Sequence[dict[str, Any]] | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        tool_call_parser: str | None = None,
     ) -> RequestHandle:
         """Start the assistant's reply to ``messages``; return its handle at once.
 
@@ -246,6 +247,12 @@ class Engine(NotebookFacade):
         ``generate()`` with those ids (``handle.prompt`` holds the rendered text).
         Raises ``NoChatTemplateError`` (a ValueError) for a model without a template.
         See docs/models.md, "Chat".
+
+        With ``tools``, the final output's ``outputs[i].tool_calls`` are the calls the
+        reply made (``ToolCall``: ``name``, ``arguments`` JSON text, ``id``) and
+        ``outputs[i].content`` its text without them, parsed by ``tool_call_parser``
+        ("hermes", "llama3_json", "mistral"; default: the one the chat template's format
+        shows, none if it shows none). See docs/api.md, "Tool calls".
         """
         from nbengine.frontend.chat import engine_chat
 
@@ -254,6 +261,7 @@ class Engine(NotebookFacade):
             messages,
             params,
             request_id,
+            tool_call_parser,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -441,6 +449,13 @@ class Engine(NotebookFacade):
             f"Engine(model={shown!r}, dtype={self.dtype}, {quantized}"
             f"max_model_len={self._max_model_len}, {state}{memory})"
         )
+
+    @property
+    def memory_plan(self) -> Any:
+        """The memory plan of an in-process engine (a ``MemoryPlan``: weights, KV cache
+        and what was free; model/memory_plan.py), None for other backends."""
+        runner = getattr(getattr(self._client, "core", None), "runner", None)
+        return getattr(runner, "memory_plan", None)
 
     @property
     def dtype(self) -> str:

@@ -5,7 +5,10 @@ thread may read or wait. Sync waits use a ``threading.Condition`` and wake at le
 every 0.1 s (so SIGINT reaches the main thread and a dead engine is noticed). Async
 waits register a waker that resumes the consumer's own event loop thread-safely
 (asyncio ``loop.call_soon_threadsafe`` / trio ``token.run_sync_soon``), detected with
-``sniffio``.
+``sniffio``. State readers (``text``, ``token_ids``, ``status``, ``view``,
+``snapshot()``, ``done()``) take no lock: they read the one immutable ``RequestView`` that each
+delivery publishes by a reference swap (request_view.py; docs/architecture.md, "The
+output path"), never the loop's own request state.
 
 Stream semantics: outputs are shaped by ``params.output_kind``. When the consumer lags,
 pending outputs are merged (DELTA: text and ids concatenated, last cumulative logprob;
@@ -20,9 +23,10 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from nbengine.frontend.request_view import RequestView, final_view, initial_view, live_view
 from nbengine.frontend.waiter import (
     ABORT_CONFIRM_S,
     interrupts_the_caller,
@@ -36,7 +40,7 @@ from nbengine.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     from nbengine.dashboard.handle_widget import HandleWidget
     from nbengine.dashboard.monitor import EngineMonitor
-    from nbengine.frontend.output_processor import LiveRequest
+    from nbengine.frontend.output_processor import ChildState, LiveRequest
     from nbengine.lora.request import LoRARequest
 
 __all__ = ["HandleOwner", "RequestHandle"]
@@ -119,8 +123,9 @@ class RequestHandle:
     ``for out in h`` / ``async for out in h`` stream ``RequestOutput``s (one consumer
     per handle); leaving the loop early cancels the request. ``h.result()`` /
     ``await h`` return the final output. ``h.cancel()`` aborts this incarnation and
-    returns its final output. ``h.text``, ``h.token_ids``, ``h.status`` and ``h.done()``
-    may be read from any thread at any time.
+    returns its final output. ``h.text``, ``h.token_ids``, ``h.status``, ``h.view``,
+    ``h.snapshot()`` and ``h.done()`` may be read from any thread at any time: they all
+    read the one ``RequestView`` the latest delivery published.
     """
 
     def __init__(
@@ -150,12 +155,16 @@ class RequestHandle:
         self._stream_done = False  # the finished output has been taken by the consumer
         self._final: RequestOutput | None = None  # full final output, once delivered
         self._error: EngineDeadError | None = None
-        self._status = RequestStatus.QUEUED
+        # The latest delivery's view: replaced (never changed) by the loop thread, read
+        # by any thread without the lock (request_view.py).
+        self._view: RequestView = initial_view(request_id, params.n, arrival_time)
         self._live: LiveRequest | None = None  # the processor's state (loop thread writes it)
         self._consumer_claimed = False
         self._wakers: list[Callable[[], None]] = []
         self._done_callbacks: list[Callable[[RequestHandle], None]] = []
         self._widget: HandleWidget | None = None  # created by widget(), one per handle
+        # Applied to the full final output(s) before anyone can see them (finish_with).
+        self._final_hook: Callable[[RequestOutput], None] | None = None
 
     @property
     def _engine(self) -> HandleOwner:
@@ -170,35 +179,29 @@ class RequestHandle:
     # ------------------------------------------------------------------ state
 
     @property
+    def view(self) -> RequestView:
+        """The request as of its latest delivery: text, token count, status and finish
+        reasons of one moment (immutable; read it once and use its fields)."""
+        return self._view
+
+    @property
     def status(self) -> RequestStatus:
         """The lifecycle status (QUEUED ... RELEASING, FINISHED_*)."""
-        return self._status
+        return self._view.status
 
     def done(self) -> bool:
-        """True once the final output has been delivered."""
-        return self._final is not None
+        """True once the final output has been delivered (and the final view published)."""
+        return self._view.finished
 
     @property
     def text(self) -> str:
         """The text of completion 0 so far (everything safe to show)."""
-        final = self._final
-        if final is not None:
-            return final.outputs[0].text if final.outputs else ""
-        live = self._live
-        if live is None or not live.children:
-            return ""
-        return live.children[0].visible_text()
+        return self._view.text
 
     @property
     def token_ids(self) -> list[int]:
         """The output token ids of completion 0 so far (a copy)."""
-        final = self._final
-        if final is not None:
-            return list(final.outputs[0].token_ids) if final.outputs else []
-        live = self._live
-        if live is None or not live.children:
-            return []
-        return list(live.children[0].detok.token_ids)
+        return self._view.token_ids
 
     @property
     def final_output(self) -> RequestOutput | None:
@@ -206,54 +209,11 @@ class RequestHandle:
         return self._final
 
     def snapshot(self) -> dict[str, Any]:
-        """A consistent-enough copy of the request's state for display (any thread)."""
-        final = self._final
-        live = self._live
-        outputs: list[dict[str, Any]] = []
-        metrics = None
-        if final is not None:
-            metrics = final.metrics
-            for c in final.outputs:
-                outputs.append(
-                    {
-                        "index": c.index,
-                        "text": c.text,
-                        "token_ids": list(c.token_ids),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
-        elif live is not None:
-            metrics = live.metrics
-            for child in live.children:
-                outputs.append(
-                    {
-                        "index": child.index,
-                        "text": child.visible_text(),
-                        "token_ids": list(child.detok.token_ids),
-                        "finish_reason": None,
-                        "stop_reason": None,
-                    }
-                )
-        return {
-            "request_id": self.request_id,
-            "status": self._status,
-            "finished": final is not None,
-            "text": outputs[0]["text"] if outputs else "",
-            "token_ids": outputs[0]["token_ids"] if outputs else [],
-            "num_output_tokens": sum(len(o["token_ids"]) for o in outputs),
-            "outputs": outputs,
-            "arrival_time": self.arrival_time,
-            "first_scheduled_time": getattr(metrics, "first_scheduled_time", None),
-            "first_token_time": getattr(metrics, "first_token_time", None),
-            "last_token_time": getattr(metrics, "last_token_time", None),
-            "finished_time": getattr(metrics, "finished_time", None),
-            "num_preemptions": getattr(metrics, "num_preemptions", 0),
-            "error": str(self._error) if self._error is not None else None,
-        }
+        """The latest delivery's view as plain values (``view.as_dict()``; any thread)."""
+        return self._view.as_dict()
 
     def __repr__(self) -> str:
-        return f"RequestHandle(request_id={self.request_id!r}, status={self._status.name})"
+        return f"RequestHandle(request_id={self.request_id!r}, status={self.status.name})"
 
     def widget(self) -> HandleWidget:
         """The live widget of this request (text, status badge, tokens/s, Cancel button);
@@ -288,9 +248,26 @@ class RequestHandle:
         out: RequestOutput | None,
         final: RequestOutput | None = None,
         error: EngineDeadError | None = None,
+        changed: Iterable[ChildState] = (),
     ) -> None:
-        """Called on the loop thread only: a stream output and/or the final output."""
+        """Called on the loop thread only: hand over a stream output and/or the final
+        output, and publish this delivery's view (none: only the view changes).
+
+        ``changed``: the completions whose tokens or text changed since the last view.
+        """
+        # This delivery's view (request_view.py): the final output's, else the live
+        # state's (a handle not registered yet keeps its initial view).
+        view = self._view
+        if final is not None:
+            view = final_view(final, view, None if error is None else str(error))
+        elif self._live is not None:
+            view = live_view(self._live, view, changed)
+        if out is None and final is None and error is None:
+            self._view = view  # the one reference swap; nothing for a waiter
+            return
         with self._cond:
+            if final is not None and self._final_hook is not None:
+                self._run_final_hook(final, out)
             if out is not None and not self._stream_done:
                 if self._pending is None:
                     self._pending = out
@@ -299,10 +276,14 @@ class RequestHandle:
             if error is not None:
                 self._error = error
             if final is not None:
-                self._status = final.status
                 self._final = final
                 self._engine_strong = None  # see __init__
                 self._anchor = None
+            # The one reference swap, after the final output is set (done() reads the
+            # view: once it is True, final_output and result() have the final output)
+            # and before the waiters wake (a consumer that takes an output finds a view
+            # at least as new).
+            self._view = view
             self._cond.notify_all()
             wakers, self._wakers = self._wakers, []
             callbacks = list(self._done_callbacks) if final is not None else []
@@ -313,6 +294,35 @@ class RequestHandle:
                 cb(self)
             except Exception:  # a callback must not break output processing
                 logger.exception("done callback of request %r failed", self.request_id)
+
+    def finish_with(self, hook: Callable[[RequestOutput], None]) -> None:
+        """Let ``hook`` complete the final output in place before it is published (the
+        full final output, and the stream's last output unless it is a delta); at once
+        if it has arrived already. ``Engine.chat`` uses it to attach parsed tool calls.
+        One hook per handle; an exception in it is logged, never raised."""
+        with self._cond:
+            self._final_hook = hook
+            if self._final is not None:
+                self._run_final_hook(self._final, self._pending)
+
+    def _run_final_hook(self, final: RequestOutput, out: RequestOutput | None) -> None:
+        """Lock held: ``_final_hook`` on ``final`` and on ``out`` if that is the stream's
+        full last output (FINAL_ONLY or CUMULATIVE)."""
+        hook = self._final_hook
+        assert hook is not None
+        targets = [final]
+        if (
+            out is not None
+            and out is not final
+            and out.finished
+            and self.sampling_params.output_kind is not RequestOutputKind.DELTA
+        ):
+            targets.append(out)
+        for target in targets:
+            try:
+                hook(target)
+            except Exception:  # a hook must not break output processing
+                logger.exception("final-output hook of request %r failed", self.request_id)
 
     def add_done_callback(self, cb: Callable[[RequestHandle], None]) -> None:
         """Run ``cb(handle)`` once the final output is delivered (at once if it was).
@@ -408,7 +418,7 @@ class RequestHandle:
                         if remaining <= 0:
                             raise TimeoutError(
                                 f"Request {self.request_id!r} did not finish within "
-                                f"{timeout} s (status {self._status.name})."
+                                f"{timeout} s (status {self.status.name})."
                             )
                         wait = min(wait, remaining)
                     self._cond.wait(wait)

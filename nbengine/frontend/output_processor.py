@@ -86,11 +86,6 @@ class ChildState:
     core_finish: EngineCoreOutput | None = None  # the core's own finish, if it decided
     error: str | None = None
 
-    def visible_text(self) -> str:
-        """The text that may be shown now (held-back chars excluded while live)."""
-        text = self.detok.text
-        return text[: self.detok.streamable_len(self.released)]
-
 
 @dataclass(slots=True, eq=False)
 class LiveRequest:
@@ -182,6 +177,7 @@ class OutputProcessor:
         old = None if new is RequestStatus.QUEUED else child.status
         if old is new:
             return
+        old_parent = live.status
         counts = live.status_counts
         if old is not None:
             counts[old] -= 1
@@ -189,8 +185,14 @@ class OutputProcessor:
         child.status = new
         self._emit_event(live, child, old, new)
         live.status = self._parent_status(live)
-        if not live.finalized:
-            live.handle._status = live.status
+        if (
+            live.status is not old_parent
+            and not live.finalized
+            and not RequestStatus.is_finished(live.status)
+        ):
+            # The handle's view shows the new status; a finished one comes with the
+            # final output (_finalize), never ahead of its text.
+            live.handle._deliver(None)
 
     @staticmethod
     def _parent_status(live: LiveRequest) -> RequestStatus:
@@ -451,8 +453,9 @@ class OutputProcessor:
                     live.prompt_logprobs_sent = True
                 stream_out = _request_output(live, comps, all_released, prompt_lp)
         if not all_released:
-            if stream_out is not None:
-                live.handle._deliver(stream_out)
+            # Every update publishes the handle's view, also when the output kind
+            # (FINAL_ONLY, stream_interval) gives the consumer nothing yet.
+            live.handle._deliver(stream_out, changed=changed.values())
             return
         self._finalize(live, stream_out, now, error=None)
 

@@ -19,7 +19,10 @@ it, else float16 (as vLLM does).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import mmap
+import struct
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +35,18 @@ from torch import nn
 from nbengine.config import ModelConfig
 from nbengine.model.config_check import check_hf_config, check_inside
 from nbengine.model.errors import ModelLoadError
-from nbengine.model.files import is_regular_file, read_json
+from nbengine.model.files import is_regular_file, open_regular, read_json
 from nbengine.model.gemma import GEMMA_ACTIVATIONS, GEMMA_ARCHITECTURES, GemmaArgs, GemmaForCausalLM
 from nbengine.model.gpt2 import GPT2Args, GPT2LMHeadModel
 from nbengine.model.llama import DecoderArgs, LlamaForCausalLM
+from nbengine.model.progress import LoadProgress, progress_enabled
 from nbengine.model.tokenizer import Tokenizer
-from nbengine.model.weights import WeightMap, read_safetensors_header
+from nbengine.model.weights import (
+    TensorEntry,
+    WeightMap,
+    WeightSource,
+    read_safetensors_header,
+)
 from nbengine.model.windows import kv_window
 from nbengine.ops.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 
@@ -61,6 +70,8 @@ ModelModule: TypeAlias = LlamaForCausalLM | GemmaForCausalLM | GPT2LMHeadModel
 _M = TypeVar("_M", bound=nn.Module)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# safetensors dtype -> the torch dtype a mapped view of it has (model/weights.py).
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -265,6 +276,19 @@ def _without_init(factory: Callable[[], _M]) -> _M:
             setattr(nn.init, name, fn)
 
 
+def _retype(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` without copying: every floating parameter gets fresh,
+    uninitialised storage in ``dtype`` (the checkpoint fills it; an untouched page costs
+    no memory, so a weight that is quantized straight from the file never takes any).
+    Converting the uninitialised float32 storage instead would touch, and hold, all of it
+    at once. Buffers are cast as ``model.to`` casts them."""
+    with torch.no_grad():
+        for param in model.parameters():  # a tied parameter is listed once
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = torch.empty(param.shape, dtype=dtype)
+    model.to(dtype)  # the buffers (parameters are in dtype already: no copy)
+
+
 def _weight_files(path: Path) -> list[Path]:
     """The weight files of ``path``; each is a regular file (or missing: refused here)."""
     index = path / "model.safetensors.index.json"
@@ -290,59 +314,326 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, weight_map: WeightMap, path: Path, dtype: torch.dtype) -> None:
-    """Fill every parameter of ``model`` from the checkpoint, checking names and shapes.
+class _Checkpoint:
+    """The weight files of a model directory, opened. A tensor (or a slice of its rows)
+    is read when asked for, so a load holds at most one tensor beside the model, never
+    a copy of the whole file: float32, bfloat16 and float16 tensors are read from the
+    file straight into their destination (``read_into``: no mapping whose touched pages
+    would count as the process's memory, no intermediate copy), other dtypes through
+    safetensors.
 
     Each file's header is checked whole (``read_safetensors_header``) before safetensors
     opens it; a tensor torch cannot read is a ``ModelLoadError`` naming file and tensor.
     """
-    files = _weight_files(path)
-    with ExitStack() as stack:
-        where: dict[str, tuple[Any, Path]] = {}
+
+    def __init__(self, files: list[Path], path: Path, stack: ExitStack) -> None:
+        self.path = path
+        self.files = files
+        self.where: dict[str, tuple[Any, Path]] = {}
+        self._mappings: dict[Path, tuple[mmap.mmap, int]] = {}
+        self.entries: dict[str, tuple[TensorEntry, Path]] = {}
+        # Each file, open, with the byte at which its tensors' data starts.
+        self._open: dict[Path, tuple[Any, int]] = {}
         for f in files:
-            read_safetensors_header(f)
+            for name, entry in read_safetensors_header(f).items():
+                self.entries[name] = (entry, f)
+            raw = stack.enter_context(open_regular(f))
+            (length,) = struct.unpack("<Q", raw.read(8))
+            self._open[f] = (raw, 8 + length)
             try:
                 handle = stack.enter_context(safe_open(str(f), framework="pt"))
             except Exception as exc:  # safetensors raises its own error types
                 raise ModelLoadError(f"Cannot open weight file {f}: {exc}") from exc
             for name in handle.keys():
-                where[name] = (handle, f)
-        params = dict(model.named_parameters())
+                self.where[name] = (handle, f)
+
+    def _locate(self, src: WeightSource) -> tuple[str, Any, Path]:
+        name = src.name
+        if name not in self.where and name.startswith("transformer."):
+            name = name[len("transformer.") :]  # original GPT-2 checkpoints
+        if name not in self.where:
+            raise ModelLoadError(
+                f"Tensor {src.name!r} is missing from the weights in {str(self.path)!r}."
+            )
+        handle, file = self.where[name]
+        return name, handle, file
+
+    def _check_shape(
+        self, src: WeightSource, shape: tuple[int, ...], want: tuple[int, ...]
+    ) -> None:
+        if shape != want:
+            raise ModelLoadError(
+                f"Tensor {src.name!r} has shape {shape}, expected {want} "
+                f"from config.json in {str(self.path)!r}."
+            )
+
+    def _direct(self, name: str) -> tuple[TensorEntry, Path, torch.dtype] | None:
+        """The entry, file and torch dtype of ``name`` when ``read_into`` can read it."""
+        entry, file = self.entries[name]
+        dtype = _TORCH_DTYPES.get(entry.dtype)
+        if dtype is None or sys.byteorder != "little":
+            return None
+        return entry, file, dtype
+
+    def _read(self, file: Path, offset: int, out: torch.Tensor) -> None:
+        """Fill the contiguous ``out`` with the bytes of ``file`` from ``offset`` on (of
+        its data)."""
+        raw, data_start = self._open[file]
+        view = out.view(torch.uint8).view(-1).numpy().data
+        raw.seek(data_start + offset)
+        done = 0
+        while done < len(view):
+            n = raw.readinto(view[done:])
+            if not n:
+                raise ModelLoadError(f"Weight file {file} ended early (is it truncated?).")
+            done += n
+
+    def read_into(self, src: WeightSource, out: torch.Tensor) -> bool:
+        """Read ``src`` straight into ``out`` (contiguous, its shape checked) when the
+        file holds it in ``out``'s dtype and layout; False (nothing read) otherwise."""
+        name, _, _ = self._locate(src)
+        direct = self._direct(name)
+        if direct is None or src.transpose or not out.is_contiguous():
+            return False
+        entry, file, dtype = direct
+        if dtype != out.dtype:
+            return False
+        self._check_shape(src, entry.shape, tuple(out.shape))
+        if out.numel():
+            self._read(file, entry.begin, out)
+        return True
+
+    def tensor(self, src: WeightSource, want: tuple[int, ...]) -> torch.Tensor:
+        """The tensor of ``src`` (transposed where it says so), checked to be ``want``."""
+        name, handle, file = self._locate(src)
+        direct = self._direct(name)
+        if direct is not None:
+            entry, _, dtype = direct
+            shape = entry.shape[::-1] if src.transpose and len(entry.shape) == 2 else entry.shape
+            self._check_shape(src, shape, want)
+            t = torch.empty(entry.shape, dtype=dtype)
+            if t.numel():
+                self._read(file, entry.begin, t)
+            return t.t() if src.transpose and t.dim() == 2 else t
+        try:
+            t = handle.get_tensor(name)
+        except Exception as exc:  # e.g. a safetensors dtype torch has no type for
+            raise ModelLoadError(
+                f"Cannot read tensor {src.name!r} from weight file {file}: {exc}"
+            ) from exc
+        if src.transpose and t.dim() == 2:
+            t = t.t()
+        self._check_shape(src, tuple(t.shape), want)
+        return t
+
+    def mapped(self, src: WeightSource, like: torch.Tensor) -> torch.Tensor | None:
+        """The tensor of ``src`` as a view of its file, mapped copy-on-write (pages are
+        read when first touched; a write stays in this process), when it can stand for
+        ``like`` as it is: the whole tensor, same shape and dtype, not transposed, on a
+        little-endian host. None otherwise (then it is copied)."""
+        name, _, _ = self._locate(src)
+        entry, file = self.entries[name]
+        if (
+            src.transpose
+            or src.offset != 0
+            or sys.byteorder != "little"
+            or _TORCH_DTYPES.get(entry.dtype) != like.dtype
+            or entry.shape != tuple(like.shape)
+            or entry.end == entry.begin
+        ):
+            return None
+        mapping = self._mappings.get(file)
+        if mapping is None:
+            with open_regular(file) as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                mapping = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), 8 + length)
+            self._mappings[file] = mapping
+        buf, data_start = mapping
+        count = (entry.end - entry.begin) // like.element_size()
+        t = torch.frombuffer(buf, dtype=like.dtype, count=count, offset=data_start + entry.begin)
+        return t.view(like.shape)
+
+    def release_pages(self) -> None:
+        """Drop this process's pages of the mapped views (``mapped``) that the load
+        touched (a tied head quantized from the embedding reads all of it); they are
+        read again from the file when used. Only while nothing has written to them: a
+        dropped page written copy-on-write would lose the write (the load writes none)."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        for buf, _ in self._mappings.values():
+            if advice is not None:
+                buf.madvise(advice)
+
+    def row_slices(
+        self, src: WeightSource, want: tuple[int, ...], rows: int
+    ) -> Iterator[torch.Tensor]:
+        """The tensor of ``src`` (checked to be ``want``), ``rows`` rows at a time, each
+        slice read from the mapped file when it is asked for."""
+        if src.transpose:  # GPT-2's Conv1D weights: rows are the file's columns
+            yield self.tensor(src, want)
+            return
+        name, handle, file = self._locate(src)
+        direct = self._direct(name)
+        if direct is not None:
+            entry, _, dtype = direct
+            self._check_shape(src, entry.shape, want)
+            row_bytes = (entry.end - entry.begin) // max(1, want[0])
+            for start in range(0, want[0], rows):
+                part = torch.empty((min(want[0], start + rows) - start, *want[1:]), dtype=dtype)
+                if part.numel():
+                    self._read(file, entry.begin + start * row_bytes, part)
+                yield part
+            return
+        try:
+            sl = handle.get_slice(name)
+            shape = tuple(sl.get_shape())
+        except Exception as exc:
+            raise ModelLoadError(
+                f"Cannot read tensor {src.name!r} from weight file {file}: {exc}"
+            ) from exc
+        self._check_shape(src, shape, want)
+        for start in range(0, want[0], rows):
+            try:
+                yield sl[start : min(want[0], start + rows)]
+            except Exception as exc:
+                raise ModelLoadError(
+                    f"Cannot read tensor {src.name!r} from weight file {file}: {exc}"
+                ) from exc
+
+
+def _fill(
+    ckpt: _Checkpoint, param: torch.Tensor, sources: list[WeightSource], map_ok: bool
+) -> None:
+    """Fill ``param`` from the checkpoint: with ``map_ok``, as a view of the mapped file
+    where ``_Checkpoint.mapped`` allows; else its rows copied, converted to its dtype."""
+    if map_ok and len(sources) == 1:
+        view = ckpt.mapped(sources[0], param)
+        if view is not None:
+            param.data = view
+            return
+    for src in sources:
+        if ckpt.read_into(src, param.data[src.offset : src.offset + src.rows]):
+            continue  # read in place: no copy beside it
+        t = ckpt.tensor(src, (src.rows, *param.shape[1:]))
+        try:
+            with torch.no_grad():
+                param.data[src.offset : src.offset + src.rows].copy_(t)
+        except (RuntimeError, TypeError) as exc:  # a dtype torch cannot convert
+            _, _, file = ckpt._locate(src)
+            raise ModelLoadError(
+                f"Cannot read tensor {src.name!r} ({t.dtype}) from weight file {file}: {exc}"
+            ) from exc
+        del t  # one tensor of the file at a time
+
+
+def load_weights(
+    model: nn.Module,
+    weight_map: WeightMap,
+    path: Path,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    progress: bool | None = None,
+) -> None:
+    """Fill every parameter of ``model`` from the checkpoint, checking names and shapes.
+
+    With ``quantization``, every ``nn.Linear`` becomes a ``QuantLinear`` (ops/quant.py)
+    quantized tensor by tensor, a slice of rows at a time (``quant_rows``), from the
+    mapped file (its
+    full-precision weight is never filled), or read from the load cache when an entry
+    for this checkpoint and options exists (model/load_cache.py). ``progress`` None:
+    the bar shows where someone watches (model/progress.py).
+    """
+    files = _weight_files(path)
+    targets = _quant_targets(model) if quantization is not None else []
+    params = dict(model.named_parameters())
+    from_file = {f"{name}.weight" for name, _ in targets} & set(weight_map)
+    with ExitStack() as stack:
+        ckpt = _Checkpoint(files, path, stack)
+        bar = stack.enter_context(
+            LoadProgress(
+                len(weight_map) + len(targets) - len(from_file),
+                "Loading weights",
+                progress_enabled(sum(f.stat().st_size for f in files))
+                if progress is None
+                else progress,
+            )
+        )
+        mappable = _mappable(model)
         for ours, sources in weight_map.items():
-            param = params[ours]
-            for src in sources:
-                name = src.name
-                if name not in where and name.startswith("transformer."):
-                    name = name[len("transformer.") :]  # original GPT-2 checkpoints
-                if name not in where:
-                    raise ModelLoadError(
-                        f"Tensor {src.name!r} is missing from the weights in {str(path)!r}."
-                    )
-                handle, file = where[name]
-                try:
-                    t = handle.get_tensor(name)
-                except Exception as exc:  # e.g. a safetensors dtype torch has no type for
-                    raise ModelLoadError(
-                        f"Cannot read tensor {src.name!r} from weight file {file}: {exc}"
-                    ) from exc
-                want = (src.rows, *param.shape[1:])
-                if src.transpose and t.dim() == 2:
-                    t = t.t()
-                if tuple(t.shape) != want:
-                    raise ModelLoadError(
-                        f"Tensor {src.name!r} has shape {tuple(t.shape)}, expected {want} "
-                        f"from config.json in {str(path)!r}."
-                    )
-                try:
-                    with torch.no_grad():
-                        param.data[src.offset : src.offset + src.rows].copy_(t)
-                except (RuntimeError, TypeError) as exc:  # a dtype torch cannot convert
-                    raise ModelLoadError(
-                        f"Cannot read tensor {src.name!r} ({t.dtype}) from weight file "
-                        f"{file}: {exc}"
-                    ) from exc
+            if ours in from_file:
+                continue  # quantized straight from the file below
+            _fill(ckpt, params[ours], sources, ours in mappable)
+            bar.update()
         missing = set(params) - set(weight_map)
         assert not missing, f"parameters without a source: {sorted(missing)}"
+        if quantization is not None:
+            _quantize(model, targets, weight_map, ckpt, quantization, dtype, bar)
+        ckpt.release_pages()  # nothing has written to the mapped views yet
+
+
+def _mappable(model: nn.Module) -> set[str]:
+    """The parameters read as views of the mapped file where dtype and layout allow: the
+    embedding tables. Only the rows a prompt looks up are then read from the file (a
+    128k-vocabulary table is a fifth of a 1B model), and nothing writes to them (a
+    packed or quantized tied head makes its own copy: ops/linear.py, ops/quant.py)."""
+    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+
+
+def _quant_targets(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """Every ``nn.Linear`` of ``model`` with its module path (what ``quantize_linears``
+    replaces)."""
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+
+
+def _quantize(
+    model: nn.Module,
+    targets: list[tuple[str, nn.Linear]],
+    weight_map: WeightMap,
+    ckpt: _Checkpoint,
+    mode: str,
+    dtype: torch.dtype,
+    bar: LoadProgress,
+) -> None:
+    """Replace each target by its ``QuantLinear``: from the load cache, else quantized
+    from the file (or, for a tied head, from the embedding it shares) and then cached."""
+    from nbengine.model.load_cache import LoadCache, cache_root
+    from nbengine.ops.quant import QuantLinear, quant_rows, quantize_weight, quantized_shapes
+
+    cache = LoadCache(
+        cache_root(), ckpt.path, ckpt.files, {"quantization": mode, "dtype": str(dtype)}
+    )
+    shapes = {
+        name: quantized_shapes(lin.out_features, lin.in_features, mode) for name, lin in targets
+    }
+    cached = cache.restore(shapes)
+    made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    bar.set_description("Reading quantized weights" if cached else f"Quantizing to {mode}")
+    for name, lin in targets:
+        if cached is not None:
+            q_s = cached.pop(name)
+        else:
+            sources = weight_map.get(f"{name}.weight")
+            if sources is None:  # a tied head: the embedding, already loaded
+                rows: Iterable[torch.Tensor] = (lin.weight.detach(),)
+            else:
+                rows = (
+                    part.to(dtype)  # rounded as the loaded weight would be
+                    for src in sources
+                    for part in ckpt.row_slices(
+                        src, (src.rows, lin.in_features), quant_rows(lin.in_features)
+                    )
+                )
+            try:
+                q_s = quantize_weight(rows, lin.out_features, lin.in_features, mode)
+            except (RuntimeError, TypeError) as exc:  # a dtype torch cannot convert
+                raise ModelLoadError(f"Cannot quantize {name!r} from {ckpt.path}: {exc}") from exc
+            made[name] = q_s
+        parent_name, _, local = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, local, QuantLinear(lin, mode, q_s))
+        bar.update()
+    logger.info("Quantized %d linear layers to %s.", len(targets), mode)
+    if made:
+        cache.store(made)
 
 
 def load_model(
@@ -365,14 +656,10 @@ def load_model(
         before_weights(_weight_files(path), cfg, arch, dtype, max_len)
     model = build_model(cfg, arch, max_len, path)
     model.tie_weights()
-    model.to(dtype)
-    load_weights(model, model.hf_weight_map(), path, dtype)
-    if config.quantization is not None:
-        # Weight-only quantization of every linear layer, from the weights just read
-        # (ops/quant.py; docs/quantization.md).
-        from nbengine.ops.quant import quantize_linears
-
-        quantize_linears(model, config.quantization)
+    _retype(model, dtype)
+    # With quantization, weight-only quantization of every linear layer, tensor by tensor
+    # from the mapped file (ops/quant.py; docs/quantization.md).
+    load_weights(model, model.hf_weight_map(), path, dtype, config.quantization)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             # model.to(dtype) cast the rope tables too; they stay float32 for exactness.

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,61 @@ def bytes_per_weight(mode: str) -> float:
 
 def _padded(k: int, multiple: int) -> int:
     return -(-k // multiple) * multiple
+
+
+# Weights quantized at a time (a slice of whole output rows): the float32 temporaries of
+# a slice take tens of MiB where a whole 128k-vocabulary head would take over 1 GiB each.
+# Not much smaller: every torch op on a slice pays a fixed cost (its parallel region),
+# which on a loaded machine outweighs any gain of staying in the caches.
+QUANT_ELEMENTS = 1 << 22
+
+
+def quant_rows(in_features: int) -> int:
+    """Output rows per slice of ``quantize_weight`` for rows of ``in_features`` inputs."""
+    return max(1, QUANT_ELEMENTS // max(1, in_features))
+
+
+def quantized_shapes(
+    out_features: int, in_features: int, mode: str
+) -> tuple[torch.Size, torch.Size]:
+    """The shapes of ``(q, scales)`` that ``quantize_weight`` makes for such a weight."""
+    group = QUANTIZATION_MODES[mode]
+    if group is None:
+        return torch.Size((out_features, _padded(in_features, _INT8_ALIGN))), torch.Size(
+            (out_features,)
+        )
+    kp = _padded(in_features, group)
+    return torch.Size((out_features, kp // 2)), torch.Size((out_features, kp // group, 2))
+
+
+def quantize_weight(
+    rows: Iterable[torch.Tensor], out_features: int, in_features: int, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)`` of a weight ``[out_features, in_features]`` given as consecutive
+    slices of its rows (``rows``, any float dtype), quantized slice by slice in ``mode``
+    (row by row, so the result equals quantizing the whole weight at once). Only one
+    slice and the result are held: a weight read from a mapped checkpoint a slice at a
+    time is never whole in memory (model/loader.py)."""
+    group = QUANTIZATION_MODES[mode]
+    if group is None:
+        q = torch.empty(out_features, _padded(in_features, _INT8_ALIGN), dtype=torch.int8)
+        s = torch.empty(out_features, dtype=torch.float32)
+    else:
+        kp = _padded(in_features, group)
+        q = torch.empty(out_features, kp // 2, dtype=torch.uint8)
+        s = torch.empty(out_features, kp // group, 2, dtype=torch.float16)
+    at = 0
+    step = quant_rows(in_features)
+    for part in rows:
+        for start in range(0, part.shape[0], step):
+            chunk = part[start : start + step]
+            qc, sc = quantize_int8(chunk) if group is None else quantize_int4(chunk, group)
+            q[at : at + chunk.shape[0]] = qc
+            s[at : at + chunk.shape[0]] = sc
+            at += chunk.shape[0]
+    if at != out_features:
+        raise ValueError(f"rows add up to {at} output rows, expected {out_features}")
+    return q, s
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +285,15 @@ class QuantLinear(nn.Module):
     _s: torch.Tensor
     _b: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, mode: str) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        mode: str,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``linear`` quantized in ``mode``; ``quantized`` (the ``(q, scales)`` of
+        ``quantize_weight``, read from a checkpoint or the load cache) stands for its
+        weight, which is then not read (only its dtype counts)."""
         super().__init__()
         if mode not in QUANTIZATION_MODES:
             raise ValueError(
@@ -240,10 +304,10 @@ class QuantLinear(nn.Module):
         self.out_features = linear.out_features
         self.group_size = QUANTIZATION_MODES[mode]
         w = linear.weight.detach()
-        if self.group_size is None:
-            q, s = quantize_int8(w)
+        if quantized is not None:
+            q, s = quantized
         else:
-            q, s = quantize_int4(w, self.group_size)
+            q, s = quantize_weight((w,), self.out_features, self.in_features, mode)
         self.register_buffer("qweight", q, persistent=False)
         self.register_buffer("scales", s, persistent=False)
         b = linear.bias

@@ -36,8 +36,11 @@ from starlette.types import Receive, Scope, Send
 from nbengine.frontend.handles import RequestHandle
 from nbengine.model.chat_template import NoChatTemplateError
 from nbengine.outputs import CompletionOutput, RequestOutput
+from nbengine.reasoning import ReasoningParser, ReasoningStream
 from nbengine.request import EngineDeadError, RequestIdInUseError, RequestStatus
 from nbengine.server import protocol as P
+from nbengine.server import response_format as RF
+from nbengine.server import tool_calls as TC
 from nbengine.server.limits import ServerLimits
 
 __all__ = ["ServerLimits", "begin_stop", "build_app", "live_request_ids"]
@@ -401,12 +404,18 @@ def build_app(
     *,
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
+    reasoning_parser: ReasoningParser | None = None,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine`` as ``model_name`` (see the module docstring).
     ``chat_template`` (Jinja source or a template name) replaces the model's own for
-    /v1/chat/completions, as vLLM's ``--chat-template`` does."""
+    /v1/chat/completions, as vLLM's ``--chat-template`` does; ``reasoning_parser`` splits
+    chat replies into ``reasoning_content`` and ``content`` (nbengine/reasoning.py);
+    ``tool_call_parser`` parses tool_choice "auto" replies (default: from the template;
+    tool_calls.py). The reasoning is split first: only the content is parsed for calls."""
     state = _ServerState(engine, model_name, api_key, limits or ServerLimits())
     tokenizer = engine.tokenizer
+    tool_parser = TC.server_parser(tokenizer, chat_template, tool_call_parser)
 
     async def models(request: Request) -> Response:
         try:
@@ -445,6 +454,7 @@ def build_app(
         return _error(_engine_dead("The engine is not running."))
 
     async def completions(request: Request) -> Response:
+        constraint: RF.Constraint | None = None
         try:
             state.check_key(request)
             req = P.parse_request(P.CompletionRequest, await state.read_json(request))
@@ -465,13 +475,15 @@ def build_app(
                 max_tokens_limit=state.limits.max_tokens,
                 stream_interval=state.limits.stream_interval,
             )
+            constraint = RF.constraint_of(req)
+            params = RF.constrained(params, constraint)
             rid, engine_id = state.request_id(request, "cmpl")
             handle = state.start(
                 lambda: engine.generate(prompt, params, request_id=engine_id, lora_request=lora),
                 "prompt",
             )
         except P.ProtocolError as exc:
-            return _error(exc)
+            return _error(RF.name_field(exc, constraint))
         created = P.now()
         served = model_name if lora is None else lora.lora_name
         head = {"id": rid, "object": "text_completion", "created": created, "model": served}
@@ -496,6 +508,7 @@ def build_app(
         return await _final_response(state, request, handle, head, choice)
 
     async def chat_completions(request: Request) -> Response:
+        constraint: RF.Constraint | None = None
         try:
             state.check_key(request)
             req = P.parse_request(P.ChatCompletionRequest, await state.read_json(request))
@@ -507,7 +520,11 @@ def build_app(
                 max_tokens_limit=state.limits.max_tokens,
                 stream_interval=state.limits.stream_interval,
             )
-            messages = [P.chat_content(m) for m in req.messages]
+            constraint = RF.constraint_of(req)
+            params = RF.constrained(params, constraint)
+            tool = TC.tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
+            params = tool.sampling(params)
+            messages = TC.tool_messages([P.chat_content(m) for m in req.messages])
             rid, engine_id = state.request_id(request, "chatcmpl")
             handle = state.start(
                 lambda: engine.chat(
@@ -519,11 +536,13 @@ def build_app(
                     continue_final_message=req.continue_final_message,
                     chat_template_kwargs=req.chat_template_kwargs,
                     lora_request=lora,
+                    tools=tool.template_tools,
+                    tool_call_parser="none",  # the server parses (tool_calls.py)
                 ),
                 "messages",
             )
         except P.ProtocolError as exc:
-            return _error(exc)
+            return _error(RF.name_field(exc, constraint))
         top_n = req.top_logprobs or 0
         served = model_name if lora is None else lora.lora_name
         head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": served}
@@ -531,17 +550,27 @@ def build_app(
             chunk_head = {**head, "object": "chat.completion.chunk"}
             want_logprobs = handle.sampling_params.logprobs is not None
             n = handle.sampling_params.n
-            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs)
+            splits = None
+            if reasoning_parser is not None:  # one splitter per choice
+                splits = [reasoning_parser.stream(handle.prompt) for _ in range(n)]
+            render = _ChatChunks(chunk_head, tokenizer, top_n, n, want_logprobs, splits, tool)
             return _EventStream(
                 state, handle, _events(state, handle, chunk_head, render, req.stream_options)
             )
 
         def choice(c: CompletionOutput) -> dict[str, Any]:
+            if reasoning_parser is None:
+                message, finish_reason = tool.message(c)
+            else:  # the thinking first; only the content may hold tool calls
+                reasoning, content = reasoning_parser.split(c.text, handle.prompt)
+                message, finish_reason = tool.message(c, text=content or "")
+                message["content"] = message["content"] or None
+                message["reasoning_content"] = reasoning
             return {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": P.chat_logprobs(tokenizer, c, top_n) if req.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
 
@@ -694,17 +723,36 @@ class _CompletionChunks:
 
 
 class _ChatChunks:
-    """``/v1/chat/completions`` chunks: the assistant role first, then content deltas."""
+    """``/v1/chat/completions`` chunks: the assistant role first, then content deltas
+    (with a reasoning parser, ``reasoning_content`` and ``content`` deltas)."""
 
     def __init__(
-        self, head: dict[str, Any], tokenizer: Any, top_n: int, n: int, want_logprobs: bool
+        self,
+        head: dict[str, Any],
+        tokenizer: Any,
+        top_n: int,
+        n: int,
+        want_logprobs: bool,
+        reasoning: list[ReasoningStream] | None = None,
+        tool: TC.ToolSetup | None = None,
     ) -> None:
         self._head = head
+        self._reasoning = reasoning  # a splitter per choice index, or None
         self._prefix = _prefix(head)
         self._tokenizer = tokenizer
         self._top_n = top_n
         self._n = n
         self._want_logprobs = want_logprobs
+        # With tool calls parsed: each choice's deltas go through its ChoiceStream.
+        self._tool = tool if tool is not None and tool.parses else None
+        self._tool_streams: dict[int, TC.ChoiceStream] = {}
+
+    def _tool_stream(self, index: int) -> TC.ChoiceStream:
+        assert self._tool is not None
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            stream = self._tool_streams[index] = self._tool.stream()
+        return stream
 
     def opening(self) -> list[str]:
         # The role first, one chunk per choice, as OpenAI sends it.
@@ -726,6 +774,14 @@ class _ChatChunks:
         ]
 
     def plain(self, c: CompletionOutput) -> str | None:
+        if self._tool is not None or self._reasoning is not None:
+            delta = self._delta(c)
+            if not delta:  # all of it held back: it may be part of a tag or a call
+                return None
+            return (
+                f'data: {self._prefix}{{"index":{c.index},"delta":{_dumps(delta)},'
+                '"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+            )
         if not c.text:
             return None
         return (
@@ -736,13 +792,36 @@ class _ChatChunks:
 
     def choice(self, c: CompletionOutput) -> dict[str, Any]:
         lp = P.chat_logprobs(self._tokenizer, c, self._top_n) if self._want_logprobs else None
+        delta = self._delta(c)
+        finish_reason = c.finish_reason
+        if self._tool is not None:
+            finish_reason = self._tool_stream(c.index).finish_reason(finish_reason)
         return {
             "index": c.index,
-            "delta": {"content": c.text} if c.text else {},
+            "delta": delta,
             "logprobs": lp,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
         }
+
+    def _delta(self, c: CompletionOutput) -> dict[str, Any]:
+        """The ``delta`` of ``c``'s new text. With a reasoning parser it is split into
+        ``reasoning_content`` and content first (text that may begin a tag waits for the
+        next chunk, and is released by the choice's last one); with tool calls parsed, the
+        content then goes through the choice's ``ChoiceStream`` (content and
+        ``tool_calls`` entries)."""
+        final = c.finish_reason is not None
+        text = c.text
+        delta: dict[str, Any] = {}
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning[c.index].feed(c.text, final=final)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        if self._tool is not None:
+            delta.update(self._tool_stream(c.index).delta(text, final))
+        elif text:
+            delta["content"] = text
+        return delta
 
 
 async def _events(

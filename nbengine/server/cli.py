@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from nbengine.tool_parsers import PARSERS
+
 __all__ = ["add_serve_parser", "run_serve"]
 
 API_KEY_ENV = "NBENGINE_API_KEY"
@@ -32,6 +34,7 @@ def add_serve_parser(
 ) -> None:
     """Add the ``serve`` subcommand to ``sub`` (argparse subparsers); ``help_text`` is its
     line in ``nbengine --help``."""
+    from nbengine.reasoning import REASONING_PARSERS
     from nbengine.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
     p = sub.add_parser(
@@ -85,6 +88,19 @@ def add_serve_parser(
         "--chat-template",
         default=None,
         help="a Jinja chat template (a file, or the template itself) replacing the model's own",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think> ... </think> from chat replies into reasoning_content",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(PARSERS),
+        help="how tool_choice 'auto' replies are parsed into tool calls (default: from "
+        "the chat template's format)",
     )
     p.add_argument("--dtype", default="auto", help="model dtype (auto, bfloat16, float32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length")
@@ -174,6 +190,8 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
                 stream_interval=args.stream_interval,
                 chat_template=_template(args.chat_template),
                 lora_modules=lora_modules,
+                reasoning_parser=args.reasoning_parser,
+                tool_call_parser=args.tool_call_parser,
             )
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:

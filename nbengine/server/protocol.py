@@ -79,7 +79,7 @@ class ProtocolError(Exception):
 
 class _Strict(BaseModel):
     # Unknown fields are refused (400 naming them): a field we would silently ignore
-    # (response_format, tools, ...) would return something other than what was asked.
+    # (audio, prediction, ...) would return something other than what was asked.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -115,6 +115,12 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # vLLM's structured-output extras, read by nbengine/server/response_format.py.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -146,6 +152,11 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # read by response_format.py
+    # Tool calls (nbengine/server/tool_calls.py checks them).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
 
 
 def short(value: object, limit: int = 60) -> str:

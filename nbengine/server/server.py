@@ -22,6 +22,7 @@ import socket
 import threading
 from typing import Any
 
+from nbengine.reasoning import get_reasoning_parser
 from nbengine.server.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOKENS,
@@ -51,6 +52,8 @@ class Server:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         stream_interval: int = 1,
         chat_template: str | None = None,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
         log_level: str = "warning",
         lora_modules: dict[str, str] | None = None,
     ) -> None:
@@ -81,6 +84,7 @@ class Server:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        parser = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
         if not engine.is_alive:
             from nbengine.request import EngineDeadError
 
@@ -94,6 +98,8 @@ class Server:
             api_key,
             chat_template=chat_template,
             limits=ServerLimits(max_request_bytes, max_tokens, stream_interval),
+            reasoning_parser=parser,
+            tool_call_parser=tool_call_parser,
         )
         self._sock = _listen(host, port)
         self.host = host

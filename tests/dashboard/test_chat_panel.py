@@ -123,3 +123,37 @@ def test_misuse_is_refused_and_leaves_no_state(chat_engine: nb.Engine, tiny_mode
         assert p2.messages == [] and len(p2.history.children) == 0
         assert not p2.send_button.disabled
         p2.close()
+
+
+def test_a_reply_with_tool_calls_shows_them(chat_engine: nb.Engine) -> None:
+    from support.scripted import eos_id, scripted
+
+    text = (
+        'Checking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    proc = scripted(chat_engine.tokenizer, text, eos_id(chat_engine.tokenizer))
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    panel = chat_engine.chat_ui(
+        max_tokens=200,
+        sampling_params=nb.SamplingParams(logits_processors=[proc]),
+        tools=tools,
+        tool_call_parser="hermes",
+    )
+    h = panel.send("Weather in Oslo?")
+    h.result(timeout=60)
+    panel.wait()
+    assert panel._reply is not None
+    assert panel._reply.text.value == "Checking."  # the call shows as a call, not as text
+    assert "→ <b>weather</b>({&quot;city&quot;: &quot;Oslo&quot;})" in panel._reply.calls.value
+    last = panel.messages[-1]
+    assert last["role"] == "assistant" and last["content"] == "Checking."
+    assert [c["function"] for c in last["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    ]
+    # The conversation, calls included, goes on through the template.
+    nxt = chat_engine.chat(
+        panel.messages + [{"role": "tool", "content": "21 C"}],
+        nb.SamplingParams(max_tokens=2, ignore_eos=True),
+    )
+    assert len(nxt.result(timeout=60).outputs[0].token_ids) == 2
+    panel.close()

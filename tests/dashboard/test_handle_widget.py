@@ -9,8 +9,9 @@ import pytest
 
 import nbengine as nb
 from nbengine.dashboard import handle_widget
-from nbengine.dashboard.handle_widget import HandleWidget
+from nbengine.dashboard.handle_widget import HandleWidget, make_handle_widget
 from nbengine.dashboard.stream_text import StreamingText
+from nbengine.dashboard.updater import UIUpdater
 from nbengine.frontend.observer import EngineObserver
 from nbengine.request import RequestStatus
 
@@ -166,3 +167,47 @@ def test_widget_of_an_n2_request_shows_both_completions(engine: nb.Engine) -> No
     assert "completion 0" in w.text.value and "completion 1" in w.text.value
     assert '<span class="nbengine-tokens">12</span>' in w.stats.value
     assert len(final.outputs) == 2
+
+
+def test_the_widget_never_shows_finished_before_the_whole_text(engine: nb.Engine) -> None:
+    """The browser gets trait changes in the order they are written: once the badge
+    reads FINISHED, the text it already has is the whole text and the count the whole
+    count (the badge never comes a refresh before the last text)."""
+    updater = UIUpdater(interval=0.005, name="test-ui")
+    shown: dict[str, list[tuple[str, str]]] = {}
+    try:
+        handles = []
+        for i in range(6):
+            h = engine.generate(
+                f"Tale {i}: the cat sat", nb.SamplingParams(max_tokens=24, ignore_eos=True)
+            )
+            w = make_handle_widget(h, updater)
+            changes: list[tuple[str, str]] = [("text", w.text.value), ("stats", w.stats.value)]
+            for part, name in ((w.badge, "badge"), (w.text, "text"), (w.stats, "stats")):
+                part.observe(
+                    lambda change, name=name, changes=changes: changes.append(
+                        (name, change["new"])
+                    ),
+                    names="value",
+                )
+            shown[h.request_id] = changes
+            handles.append(h)
+        finals = {h.request_id: h.result(timeout=60) for h in handles}
+        wait_until(lambda: updater.num_views == 0, what="every final state to be shown")
+    finally:
+        updater.stop()
+    for rid, changes in shown.items():
+        final = finals[rid].outputs[0]
+        text = stats = ""
+        finished_seen = False
+        for name, value in changes:
+            if name == "text":
+                text = value
+            elif name == "stats":
+                stats = value
+            elif "FINISHED" in value:
+                finished_seen = True
+                assert text == final.text, (rid, text, final.text)
+                tokens = f'<span class="nbengine-tokens">{len(final.token_ids)}</span>'
+                assert tokens in stats, (rid, stats)
+        assert finished_seen, (rid, changes[-3:])

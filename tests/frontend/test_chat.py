@@ -141,3 +141,119 @@ def test_llm_chat_one_or_many_conversations(qwen_chat: Path) -> None:
     )
     assert "Once upon a time" in many[0].prompt and "The dog ran" in many[1].prompt
     assert cont[0].prompt.endswith("<|im_start|>assistant\nand ran")
+
+
+# ---------------------------------------------------------------- tool calls
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+# A short template in Qwen's style (the module's model has max_model_len=256): tools in
+# the system turn, calls as <tool_call> blocks, results as <tool_response>.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}. Call as <tool_call>JSON</tool_call>.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role + '\\n' }}"
+    "{%- if m.role == 'tool' %}<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- else %}{{ m.content }}{% endif %}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{%- endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CALL_TEXT = (
+    'Checking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
+
+
+def _scripted_params(engine: nb.Engine, text: str, **kw: object) -> nb.SamplingParams:
+    from support.scripted import eos_id, scripted
+
+    proc = scripted(engine.tokenizer, text, eos_id(engine.tokenizer))
+    return nb.SamplingParams(max_tokens=200, logits_processors=[proc], **kw)  # type: ignore[arg-type]
+
+
+def test_chat_with_tools_returns_the_parsed_calls(chat_engine: nb.Engine) -> None:
+    params = _scripted_params(chat_engine, CALL_TEXT)
+    # The template shows the <tool_call> format: the hermes parser by default.
+    h = chat_engine.chat(ASK, params, tools=TOOLS, chat_template=TOOL_TEMPLATE)
+    streamed = list(h)[-1]  # FINAL_ONLY: the stream's one output is the full final one
+    for out in (h.result(timeout=60), streamed):
+        c = out.outputs[0]
+        assert c.text == CALL_TEXT  # the model's whole reply, as generated
+        assert c.content == "Checking."
+        assert c.tool_calls is not None and [(t.name, t.args) for t in c.tool_calls] == [
+            ("weather", {"city": "Oslo"})
+        ]
+        assert c.tool_calls[0].id.startswith("call_") and c.tool_calls[0].type == "function"
+    # One request's outputs name the same call by the same id.
+    assert streamed.outputs[0].tool_calls == h.result().outputs[0].tool_calls
+    # The template shows no tool format and no parser is named: nothing is parsed.
+    plain = chat_engine.chat(ASK, params, tools=TOOLS).result(timeout=60).outputs[0]
+    assert plain.text == CALL_TEXT and plain.tool_calls is None and plain.content is None
+    # Naming a parser parses with it (a malformed call is content).
+    llama = _scripted_params(chat_engine, '{"name": "weather", "parameters": {"city": "Oslo"}}')
+    got = chat_engine.chat(ASK, llama, tools=TOOLS, tool_call_parser="llama3_json").result(
+        timeout=60
+    )
+    assert [(t.name, t.args) for t in got.outputs[0].tool_calls or []] == [
+        ("weather", {"city": "Oslo"})
+    ]
+    assert got.outputs[0].content is None
+    bad = chat_engine.chat(ASK, params, tools=TOOLS, tool_call_parser="llama3_json").result(
+        timeout=60
+    )
+    assert bad.outputs[0].tool_calls == [] and bad.outputs[0].content == CALL_TEXT
+
+
+def test_chat_tool_call_history_reaches_the_template_with_decoded_arguments(
+    chat_engine: nb.Engine,
+) -> None:
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+    }
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+    ]
+    h = chat_engine.chat(
+        history, nb.SamplingParams(max_tokens=1), tools=TOOLS, chat_template=TOOL_TEMPLATE
+    )
+    h.result(timeout=60)
+    assert '"arguments": {"city": "Oslo"}' in (h.prompt or "")  # a dict, not JSON text
+    assert "<tool_response>\n21 C\n</tool_response>" in (h.prompt or "")
+    with pytest.raises(ValueError, match=r"messages\[1\]\['tool_calls'\]\[0\]\['function'\]"):
+        broken = {**call, "function": {"name": "weather", "arguments": "{oops"}}
+        chat_engine.chat([*ASK, {"role": "assistant", "content": "", "tool_calls": [broken]}])
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        chat_engine.chat(ASK, tools=TOOLS, tool_call_parser="qwen")
+    assert chat_engine.num_unfinished_requests() == 0
+
+
+def test_finish_with_completes_a_final_output_that_has_already_arrived(
+    chat_engine: nb.Engine,
+) -> None:
+    h = chat_engine.generate("x", nb.SamplingParams(max_tokens=1, ignore_eos=True))
+    out = h.result(timeout=60)
+    h.finish_with(lambda o: setattr(o.outputs[0], "content", "seen"))
+    assert out.outputs[0].content == "seen" and h.final_output is out
+
+
+def test_llm_chat_with_tools_parses_each_output(qwen_chat: Path) -> None:
+    with nb.LLM(str(qwen_chat), **ENGINE_KW) as llm:
+        params = _scripted_params(llm.engine, CALL_TEXT)
+        outs = llm.chat([ASK, ASK], params, use_tqdm=False, tools=TOOLS, tool_call_parser="hermes")
+    for out in outs:
+        assert [(t.name, t.args) for t in out.outputs[0].tool_calls or []] == [
+            ("weather", {"city": "Oslo"})
+        ]
+        assert out.outputs[0].content == "Checking."

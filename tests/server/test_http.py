@@ -89,12 +89,12 @@ def test_unknown_fields_and_missing_ones_are_400(server: object) -> None:
             server.url + "/chat/completions",
             json={
                 "messages": [{"role": "user", "content": "hi"}],
-                "response_format": {"type": "json_object"},
+                "audio": {"format": "wav"},
             },
         ),
         400,
     )
-    assert err["param"] == "response_format"
+    assert err["param"] == "audio"
     err = _error(httpx.post(server.url + "/chat/completions", json={"max_tokens": 3}), 400)
     assert err["param"] == "messages"
     err = _error(httpx.post(server.url + "/completions", json=["prompt"]), 400)
