@@ -2,25 +2,28 @@
 
 Every linear layer of the model that a PEFT adapter may target (all but the head) gets
 a thin forward hook: its base forward (``nn.Linear``, a packed native layer, or a
-quantized one: ops/linear.py, ops/quant.py) runs unchanged, then the step's rows gain
-their adapters' deltas in two float32 matmuls for the whole batch, whatever the number
-of adapters in it (the shrink and expand of Punica / S-LoRA, done densely):
+quantized one: ops/linear.py, ops/quant.py) runs unchanged, then the step's rows that
+have an adapter gain its delta, grouped by adapter (the shrink and expand of Punica /
+S-LoRA as two batched matmuls):
 
-    xa = x @ A_all^T          A_all: every loaded adapter's A, stacked  [cols, in]
-    xa *= mask                mask[row, col] = 1 where col belongs to row's adapter
-    out += xa @ B_all^T       B_all: their B's side by side, scale in    [out, cols]
+    xs  = x[rows of adapters 1..k, padded to G rows each]      [k, G, in]
+    out[rows] += (xs @ A_k) @ B_k        A: [k, in, R], B: [k, R, out], scale in B
 
-so each row gets exactly its own adapter's delta (the other adapters' columns are
-multiplied by exact zeros) and base-model rows get none. The mask is built once per
-step per column layout (``begin_step``). With ranks r of at most a few dozen, ``cols``
-is small beside ``out``, so the two products cost a small fraction of the layer's own.
-A step without adapter rows costs one ``None`` check per layer.
+so each row is multiplied by its own adapter's factors only, base-model rows are not
+touched, and a layer costs one gather, two ``bmm`` and one ``index_add_`` whatever the
+number of adapters in the step. Padding rows (groups of unequal size) are zeroed after
+the gather, so they add exact zeros. The grouping is built once per step per set of
+adapters a layer has (``begin_step``); a step without adapter rows costs one ``None``
+check per layer. The factors are kept in float32 and used in the activations' dtype
+(cast once per adapter set): bfloat16 on a bfloat16 or quantized bfloat16 base, where
+torch's bfloat16 matmul accumulates in float32; float32 on a float32 base.
 
 Fused layers: a module of ours may hold several of the checkpoint's (q/k/v in
 ``qkv_proj``, gate/up in ``gate_up_proj``; model/weight_map.py's ``CheckpointLayout``
 says which rows each fills). An adapter's factors of its parts are stacked: its ``A``s
 one above the other, its ``B`` block-diagonal (zero outside each part's rows and rank
-columns), so the fused output gets exactly each part's own delta.
+columns), so the fused output gets exactly each part's own delta. Adapters of lower
+rank in a layer are zero-padded to the layer's largest (exact zeros).
 
 Threads: the hooks run on the core thread; ``add``/``remove`` run there too (between
 steps, as UTILITY calls), so no lock is needed.
@@ -61,20 +64,51 @@ class _Target:
     parts: dict[str, tuple[int, int]]
     # adapter id -> (A [R, in], B [out, R]) on the model's device, scale in B
     factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # Every adapter's factors side by side (A_all, B_all) and the adapter id of each
-    # column (as a tuple: the key of the step's mask); rebuilt by add / remove.
-    stacked: tuple[torch.Tensor, torch.Tensor, tuple[int, ...], torch.Tensor] | None = None
+    # The factors of every adapter this layer has, batched for ``bmm`` (see ``batched``);
+    # rebuilt lazily after add / remove.
+    _batched: dict[torch.dtype, _Batched] = field(default_factory=dict)
 
-    def restack(self, device: torch.device) -> None:
+    def changed(self) -> None:
+        """Forget the batched factors (an adapter of this layer was added or removed)."""
+        self._batched = {}
+
+    def batched(self, dtype: torch.dtype, device: torch.device) -> _Batched | None:
+        """This layer's adapters' factors as ``[n, in, R]`` and ``[n, R, out]`` in ``dtype``
+        (zero-padded to the largest rank R), and the adapter id of each slot; None when
+        no adapter targets this layer."""
         if not self.factors:
-            self.stacked = None
-            return
-        ids = sorted(self.factors)
-        a_all = torch.cat([self.factors[i][0] for i in ids], dim=0).contiguous()
-        b_all = torch.cat([self.factors[i][1] for i in ids], dim=1).contiguous()
-        cols = tuple(i for i in ids for _ in range(self.factors[i][0].shape[0]))
-        col_ids = torch.tensor(cols, dtype=torch.int64, device=device)
-        self.stacked = (a_all.to(device), b_all.to(device), cols, col_ids)
+            return None
+        got = self._batched.get(dtype)
+        if got is None:
+            ids = tuple(sorted(self.factors))
+            rank = max(self.factors[i][0].shape[0] for i in ids)
+            a = torch.zeros(len(ids), self.in_features, rank, dtype=torch.float32)
+            b = torch.zeros(len(ids), rank, self.out_features, dtype=torch.float32)
+            for slot, i in enumerate(ids):
+                fa, fb = self.factors[i]
+                a[slot, :, : fa.shape[0]] = fa.t()
+                b[slot, : fb.shape[1], :] = fb.t()
+            got = _Batched(ids, a.to(device, dtype), b.to(device, dtype))
+            self._batched[dtype] = got
+        return got
+
+
+@dataclass(slots=True, frozen=True)
+class _Batched:
+    ids: tuple[int, ...]  # adapter id of each slot
+    a: torch.Tensor  # [slots, in, R]
+    b: torch.Tensor  # [slots, R, out]
+
+
+@dataclass(slots=True, frozen=True)
+class _Groups:
+    """The step's rows of the adapters one layer has, grouped for ``bmm``."""
+
+    slots: torch.Tensor | None  # slot of each group in _Batched (None: every slot in order)
+    gather: torch.Tensor  # [k * G] row of each grouped position (padding: a group's row)
+    pad: torch.Tensor | None  # positions that are padding (zeroed after the gather)
+    k: int
+    g: int
 
 
 class LoRALayers:
@@ -85,9 +119,10 @@ class LoRALayers:
         if layout is None:
             raise TypeError(f"{type(model).__name__} declares no checkpoint_layout.")
         self.device = torch.device(device)
-        # The step's per-row adapter ids (None: no adapter rows) and its masks by layout.
-        self._row_ids: torch.Tensor | None = None
-        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        # The step's rows of each adapter (None: no adapter rows) and its groupings by
+        # the adapter set of a layer (begin_step, _groups).
+        self._rows: dict[int, list[int]] | None = None
+        self._grouped: dict[tuple[int, ...], _Groups | None] = {}
         self._targets: list[_Target] = []
         self._by_module: dict[str, _Target] = {}
         self.adapters: dict[int, AdapterWeights] = {}
@@ -146,12 +181,12 @@ class LoRALayers:
             per_target.setdefault(target.path, []).append((offset, rows, a, b))
         by_path = {t.path: t for t in self._targets}
         for t in self._targets:
-            t.factors.pop(adapter.int_id, None)
+            if t.factors.pop(adapter.int_id, None) is not None:
+                t.changed()
         for path, parts in per_target.items():
             target = by_path[path]
             target.factors[adapter.int_id] = self._stack(target, parts, adapter.scale)
-        for t in self._targets:
-            t.restack(self.device)
+            target.changed()
         self.adapters[adapter.int_id] = adapter
 
     def _stack(
@@ -176,50 +211,83 @@ class LoRALayers:
             return False
         for t in self._targets:
             if t.factors.pop(int_id, None) is not None:
-                t.restack(self.device)
+                t.changed()
         return True
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, spans: Sequence[tuple[int, int]]) -> bool:
         """Note the step's rows' adapters; ``spans`` is ``(adapter id, rows)`` per chunk
         in row order (id 0: the base model). True when any row has an adapter."""
-        self._masks = {}
-        if not any(int_id for int_id, _ in spans):
-            self._row_ids = None
-            return False
-        ids = [int_id for int_id, n in spans for _ in range(n)]
-        self._row_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return True
+        self._grouped = {}
+        rows: dict[int, list[int]] = {}
+        row = 0
+        for int_id, n in spans:
+            if int_id:
+                rows.setdefault(int_id, []).extend(range(row, row + n))
+            row += n
+        self._rows = rows or None
+        return self._rows is not None
 
     def end_step(self) -> None:
         """Forget the step's rows (every later forward runs the base model only)."""
-        self._row_ids = None
-        self._masks = {}
+        self._rows = None
+        self._grouped = {}
 
-    def _mask(self, cols: tuple[int, ...], col_ids: torch.Tensor) -> torch.Tensor:
-        """``[rows, cols]`` float32: 1 where the column belongs to the row's adapter."""
-        mask = self._masks.get(cols)
-        if mask is None:
-            assert self._row_ids is not None
-            mask = (self._row_ids[:, None] == col_ids[None, :]).to(torch.float32)
-            self._masks[cols] = mask
-        return mask
+    def _groups(self, batched: _Batched) -> _Groups | None:
+        """The step's rows grouped by the adapters in ``batched`` (None: no such rows)."""
+        if batched.ids in self._grouped:
+            return self._grouped[batched.ids]
+        assert self._rows is not None
+        present = [(slot, self._rows[i]) for slot, i in enumerate(batched.ids) if i in self._rows]
+        groups: _Groups | None = None
+        if present:
+            g = max(len(r) for _, r in present)
+            gather: list[int] = []
+            pad: list[int] = []
+            for _, r in present:
+                pad.extend(range(len(gather) + len(r), len(gather) + g))
+                gather.extend(r + [r[0]] * (g - len(r)))
+            slots = [slot for slot, _ in present]
+            dev = self.device
+            groups = _Groups(
+                None
+                if slots == list(range(len(batched.ids)))
+                else torch.tensor(slots, dtype=torch.int64, device=dev),
+                torch.tensor(gather, dtype=torch.int64, device=dev),
+                torch.tensor(pad, dtype=torch.int64, device=dev) if pad else None,
+                len(present),
+                g,
+            )
+        self._grouped[batched.ids] = groups
+        return groups
 
     # ------------------------------------------------------------------ the hook
+    def _delta(self, target: _Target, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the step's adapter rows' deltas to ``out`` (module docstring)."""
+        batched = target.batched(x.dtype, x.device)
+        if batched is None:
+            return
+        groups = self._groups(batched)
+        if groups is None:
+            return
+        x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        a, b = batched.a, batched.b
+        if groups.slots is not None:
+            a, b = a.index_select(0, groups.slots), b.index_select(0, groups.slots)
+        xs = x2.index_select(0, groups.gather)
+        if groups.pad is not None:
+            xs.index_fill_(0, groups.pad, 0)  # padding rows: exact zero deltas
+        y = torch.bmm(torch.bmm(xs.view(groups.k, groups.g, -1), a.to(xs.dtype)), b.to(xs.dtype))
+        out2.index_add_(0, groups.gather, y.view(-1, out2.shape[-1]).to(out2.dtype))
+
     def _install(self, module: nn.Module, target: _Target) -> None:
         base: Callable[..., torch.Tensor] = module.forward
         layers = self
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             out = base(x, *args, **kwargs)
-            stacked = target.stacked
-            if layers._row_ids is None or stacked is None:
-                return out
-            a_all, b_all, cols, col_ids = stacked
-            x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-            xa = x2.float() @ a_all.t()
-            xa *= layers._mask(cols, col_ids)
-            out2 += (xa @ b_all.t()).to(out2.dtype)
+            if layers._rows is not None and target.factors:
+                layers._delta(target, x, out)
             return out
 
         # An instance attribute: module.forward(x) and module(x) both reach it, and the
