@@ -20,6 +20,7 @@ from nbengine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from nbengine.frontend.engine import Engine
 from nbengine.frontend.handles import RequestHandle
 from nbengine.llm import LLM
+from nbengine.lora.request import LoRARequest
 from nbengine.outputs import CompletionOutput, Logprob, RequestOutput
 from nbengine.request import EngineDeadError, FinishReason, RequestIdInUseError, RequestStatus
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
@@ -36,6 +37,7 @@ __all__ = [
     "GuidedDecodingParams",
     "LLM",
     "Logprob",
+    "LoRARequest",
     "RequestHandle",
     "RequestIdInUseError",
     "RequestOutput",

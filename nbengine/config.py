@@ -363,6 +363,27 @@ class ParallelConfig:
 
 
 @dataclass(slots=True)
+class LoRAConfig:
+    """LoRA adapters per request (vLLM's names; docs/lora.md).
+
+    ``enable_lora`` allows ``lora_request=`` on requests; at most ``max_loras`` distinct
+    adapters run in one step (requests of others wait); an adapter's rank may be at most
+    ``max_lora_rank``.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        _check_types(self, ints=("max_loras", "max_lora_rank"), bools=("enable_lora",))
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}.")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs; built from ``Engine(...)``/``LLM(...)`` keyword arguments."""
 
@@ -371,6 +392,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.backend != "inproc":
+            raise ValueError(
+                f"enable_lora=True needs backend='inproc' (got backend={self.parallel.backend!r})."
+            )
 
     @classmethod
     def from_kwargs(cls, model: str | Path | None = None, **kwargs: object) -> EngineConfig:
@@ -384,12 +412,14 @@ class EngineConfig:
             "cache": {},
             "scheduler": {},
             "parallel": {},
+            "lora": {},
         }
         owners = {
             "model": ModelConfig.__dataclass_fields__,
             "cache": CacheConfig.__dataclass_fields__,
             "scheduler": SchedulerConfig.__dataclass_fields__,
             "parallel": ParallelConfig.__dataclass_fields__,
+            "lora": LoRAConfig.__dataclass_fields__,
         }
         for key, value in kwargs.items():
             for part, fields_ in owners.items():
@@ -404,4 +434,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
             parallel=ParallelConfig(**parts["parallel"]),  # type: ignore[arg-type]
             speculative=speculative,
+            lora=LoRAConfig(**parts["lora"]),  # type: ignore[arg-type]
         )

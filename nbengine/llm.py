@@ -11,6 +11,7 @@ from typing import Any, cast
 from nbengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nbengine.frontend.engine import Engine
 from nbengine.frontend.handles import RequestHandle
+from nbengine.lora.request import LoRARequest
 from nbengine.outputs import RequestOutput
 from nbengine.sampling_params import RequestOutputKind, SamplingParams
 from nbengine.validation import is_int
@@ -50,8 +51,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (str or token ids) and return outputs in input order.
+
+        ``lora_request``: one LoRA adapter for every prompt, or a list with one (or None)
+        per prompt (docs/lora.md).
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or a list with one
         per prompt; None uses ``engine.get_default_sampling_params()`` (the model's
@@ -84,11 +89,21 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}.")
             final_params.append(sp.replace(output_kind=RequestOutputKind.FINAL_ONLY))
+        loras: list[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
+            loras = list(lora_request)
+        else:
+            raise TypeError(
+                f"lora_request must be a LoRARequest or a list of them, got "
+                f"{type(lora_request).__name__}."
+            )
         done_q: queue.Queue[int] = queue.Queue()
         handles: list[RequestHandle] = []
         try:
             # Validates every prompt first, so a bad one leaves no request behind.
-            handles = self.engine.generate_many(prompt_list, final_params)
+            handles = self.engine.generate_many(prompt_list, final_params, loras)
             for i, h in enumerate(handles):
                 h.add_done_callback(_put_index(done_q, i))
             return self._collect(handles, done_q, use_tqdm)

@@ -72,6 +72,7 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "finished_time",
     "replica",
     "spec_accepted_tokens",
+    "lora",
 )
 STEP_COLUMNS: tuple[str, ...] = (
     "step",
@@ -121,6 +122,7 @@ class RequestSummary(RequestTimings):
     replica: int | None = None  # the engine core that served it (backend="ray"); None in-process
     constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
     spec_accepted_tokens: int = 0  # speculative drafts accepted (docs/speculative-decoding.md)
+    lora: str | None = None  # the LoRA adapter's name (docs/lora.md); None: the base model
 
     @property
     def finished(self) -> bool:
@@ -167,6 +169,7 @@ class RequestRow:
     replica: int | None = None
     constraint: str | None = None  # structured outputs: "json: {...}", "regex: ...", ...
     spec_accepted_tokens: int = 0
+    lora: str | None = None  # the LoRA adapter's name (docs/lora.md); None: the base model
 
 
 def _row(s: RequestSummary) -> RequestRow:
@@ -189,6 +192,7 @@ def _row(s: RequestSummary) -> RequestRow:
         replica=s.replica,
         constraint=s.constraint,
         spec_accepted_tokens=s.spec_accepted_tokens,
+        lora=s.lora,
     )
 
 
@@ -335,6 +339,13 @@ class MetricsLog:
         with self._lock:
             s = self._summary(key, request_id, time.monotonic())
             s.constraint = constraint
+            self._version += 1
+
+    def on_adapter(self, key: str, request_id: str, lora_name: str) -> None:
+        """``key`` runs under the LoRA adapter ``lora_name``."""
+        with self._lock:
+            s = self._summary(key, request_id, time.monotonic())
+            s.lora = lora_name
             self._version += 1
 
     def on_replica(self, key: str, replica: int) -> None:

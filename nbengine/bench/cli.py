@@ -105,6 +105,13 @@ def add_bench_parser(
         "ACTIVE for ct2, PASSIVE for the others)",
     )
     bench.add_argument("--no-abort", action="store_true", help="skip the abort() latency check")
+    bench.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run W1 on nbengine with its requests over N LoRA adapters of rank 16",
+    )
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
 
 
@@ -142,6 +149,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         abort_latency=not args.no_abort,
         threads=args.threads,
         omp_wait_policy=args.omp_wait_policy,
+        lora_adapters=args.lora,
     )
     report = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.peers:

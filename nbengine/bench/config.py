@@ -98,6 +98,9 @@ class BenchConfig:
     threads: int | None = None
     omp_wait_policy: str | None = None
     max_spread: float = 0.10
+    # W1 again on nbengine with its requests spread over this many LoRA adapters of rank
+    # 16 (label "nbengine_lora"; docs/lora.md); 0: not run.
+    lora_adapters: int = 0
 
     def __post_init__(self) -> None:
         self.workloads = tuple(self.workloads)
@@ -126,6 +129,8 @@ class BenchConfig:
                 f"omp_wait_policy must be PASSIVE, ACTIVE or None (each engine's own), "
                 f"got {self.omp_wait_policy!r}."
             )
+        if self.lora_adapters < 0:
+            raise ValueError(f"lora_adapters must be at least 0, got {self.lora_adapters}.")
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}.")
 

@@ -75,6 +75,9 @@ class _TokenTimes(EngineObserver):
         self.hits = (stats.prefix_cache_hits, stats.prefix_cache_queries)
 
 
+LORA_RANK = 16  # the rank of the bench's LoRA adapters (`nbengine bench --lora N`)
+
+
 class NbengineDriver:
     """Runs workloads on ``nb.Engine``; a fresh engine per run."""
 
@@ -110,8 +113,24 @@ class NbengineDriver:
         import nbengine as nb
 
         res = RunResult(self.name, wl.name)
+        # W1 over LoRA adapters (docs/lora.md): request i runs under adapter i % n.
+        n_lora = int(overrides.pop("lora_adapters", 0))
+        loras: list[Any] = [None]
+        if n_lora:
+            from nbengine.bench.workloads import bench_lora_adapters
+
+            dirs = bench_lora_adapters(self.model_dir, n_lora, LORA_RANK)
+            loras = [nb.LoRARequest(f"bench-{i}", i + 1, str(d)) for i, d in enumerate(dirs)]
+            overrides = {
+                **overrides,
+                "enable_lora": True,
+                "max_loras": n_lora,
+                "max_lora_rank": LORA_RANK,
+            }
         engine, timer = self._engine(**overrides)
         try:
+            for lora in loras[: n_lora or 0]:
+                engine.add_lora(lora)  # loaded before t0: the run measures the steps
             params = [
                 nb.SamplingParams(
                     temperature=0.0,
@@ -122,7 +141,10 @@ class NbengineDriver:
                 for n in wl.output_lens
             ]
             t0 = time.perf_counter()
-            handles = [engine.generate(p, sp) for p, sp in zip(wl.prompts, params)]
+            handles = [
+                engine.generate(p, sp, lora_request=loras[i % len(loras)])
+                for i, (p, sp) in enumerate(zip(wl.prompts, params))
+            ]
             finals = [h.result() for h in handles]
             res.wall_s = time.perf_counter() - t0
             by_key = timer.token_times

@@ -27,6 +27,7 @@ TARGETS = {
     "W2 nbengine fraction of the bandwidth bound": 0.6,
     "W3 prefix-cache hit rate": 0.7,
     "W3 TTFT p50 caching on / off (at most)": 0.5,
+    "W1 wall time over LoRA adapters / base (at most)": 1.3,
 }
 
 
@@ -160,6 +161,14 @@ def targets(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str
         get("W3", "nbengine_no_prefix_cache", "ttft_p50_ms"),
         at_most=True,
     )
+    lora = get("W1", "nbengine_lora", "wall_s")
+    if lora is not None:  # `nbengine bench --lora N` (docs/lora.md)
+        ratio(
+            "W1 wall time over LoRA adapters / base (at most)",
+            lora,
+            get("W1", "nbengine", "wall_s"),
+            at_most=True,
+        )
     return out
 
 

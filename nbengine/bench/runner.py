@@ -274,6 +274,10 @@ class _Run:
                                 "run", name, "nbengine_ngram", w, {"speculative_config": NGRAM}
                             )
                         )
+                    if name == "nbengine" and w == "W1" and cfg.lora_adapters:
+                        # Right after the base run: the ratio of the two is the LoRA cost.
+                        lora = {"lora_adapters": cfg.lora_adapters}
+                        jobs.append(self._job("run", name, "nbengine_lora", w, lora))
                     for job in jobs:
                         if name in self.errors:
                             continue

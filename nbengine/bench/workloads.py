@@ -31,6 +31,7 @@ __all__ = [
     "SHAPES",
     "SMOLLM2_135M",
     "Workload",
+    "bench_lora_adapters",
     "bench_model_dir",
     "make_workloads",
     "scaled",
@@ -188,4 +189,52 @@ def make_workloads(
             out[name] = Workload(name, [text + cue], [scaled(128, scale, 8)])
         else:
             raise ValueError(f"Unknown workload {name!r}; choose from {ALL_WORKLOADS}.")
+    return out
+
+
+def bench_lora_adapters(model_dir: str | Path, n: int, rank: int) -> list[Path]:
+    """``n`` random PEFT LoRA adapters of ``rank`` on every q/k/v/o/gate/up/down projection
+    of the Llama-shaped model at ``model_dir``, cached beside it (docs/lora.md)."""
+    import torch
+    from safetensors.torch import save_file
+
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv = int(cfg.get("num_key_value_heads") or heads) * head_dim
+    shapes = {  # module -> (in, out)
+        "self_attn.q_proj": (hidden, heads * head_dim),
+        "self_attn.k_proj": (hidden, kv),
+        "self_attn.v_proj": (hidden, kv),
+        "self_attn.o_proj": (heads * head_dim, hidden),
+        "mlp.gate_proj": (hidden, inter),
+        "mlp.up_proj": (hidden, inter),
+        "mlp.down_proj": (inter, hidden),
+    }
+    out: list[Path] = []
+    for i in range(n):
+        path = model_dir.parent / f"{model_dir.name}-lora-r{rank}-{i}"
+        out.append(path)
+        if (path / ".complete").is_file():
+            continue
+        path.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator().manual_seed(1000 + i)
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in range(int(cfg["num_hidden_layers"])):
+            for module, (d_in, d_out) in shapes.items():
+                key = f"base_model.model.model.layers.{layer}.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * 0.02
+                tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.02
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        config = {
+            "peft_type": "LORA",
+            "r": rank,
+            "lora_alpha": 2 * rank,
+            "target_modules": sorted({m.split(".")[1] for m in shapes}),
+            "bias": "none",
+        }
+        (path / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
+        (path / ".complete").write_text("ok\n")
     return out

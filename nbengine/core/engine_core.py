@@ -34,6 +34,7 @@ from nbengine.core.messages import (
 from nbengine.core.request import Request
 from nbengine.core.scheduler import Scheduler
 from nbengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from nbengine.lora.layers import LoRALayers
 from nbengine.request import FinishReason, RequestStatus
 from nbengine.sampling_params import SamplingParams
 from nbengine.structured_outputs import GrammarCompiler
@@ -54,6 +55,12 @@ class RunnerLike(Protocol):
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
+
+
+def _runner_loras(runner: RunnerLike) -> LoRALayers | None:
+    """The runner's LoRA adapters (a runner built with ``enable_lora``; docs/lora.md)."""
+    layers = getattr(runner, "lora", None)
+    return layers if isinstance(layers, LoRALayers) else None
 
 
 RunnerClass = Callable[[EngineConfig], RunnerLike]
@@ -149,6 +156,13 @@ class EngineCore:
                     f"Request {rid!r}: {name} names token ids outside the model's "
                     f"vocabulary of {vocab} tokens."
                 )
+        if request.lora_int_id:
+            layers = _runner_loras(self.runner)
+            if layers is None or request.lora_int_id not in layers.adapters:
+                raise ValueError(
+                    f"Request {rid!r}: LoRA adapter id {request.lora_int_id} is not loaded "
+                    "(it was removed, or the engine has enable_lora=False)."
+                )
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
@@ -166,8 +180,22 @@ class EngineCore:
             generator=generator,
             grammar=grammar if params.structured_outputs is not None else None,
             cache_salt=request.cache_salt,
+            lora_int_id=request.lora_int_id,
+            lora_key=request.lora_key,
         )
         self.scheduler.add_request(req)
+
+    # ---- LoRA adapters (docs/lora.md) --------------------------------------------------
+    def lora_layers(self) -> LoRALayers:
+        """The runner's adapters; ValueError if the engine was built without enable_lora."""
+        layers = _runner_loras(self.runner)
+        if layers is None:
+            raise ValueError("This engine has no LoRA support: create it with enable_lora=True.")
+        return layers
+
+    def lora_users(self, lora_int_id: int) -> list[str]:
+        """Keys of the held (waiting, running or preempted) requests under that adapter."""
+        return [k for k, r in self.scheduler.requests.items() if r.lora_int_id == lora_int_id]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache entry; False (nothing forgotten) while any request

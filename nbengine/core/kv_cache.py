@@ -50,11 +50,19 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return h.digest()
 
 
-def salt_root(cache_salt: str | None) -> BlockHash | None:
-    """The parent hash of a request's first block: None (the shared root) without a salt."""
-    if cache_salt is None:
+def salt_root(cache_salt: str | None, lora_key: str | None = None) -> BlockHash | None:
+    """The parent hash of a request's first block: None (the shared root) without a salt
+    and without a LoRA adapter; a block computed under an adapter's load (``lora_key``,
+    docs/lora.md) is shared only with requests under that same load."""
+    if cache_salt is None and lora_key is None:
         return None
-    return b"\x00salt" + hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=16).digest()
+    if lora_key is None:
+        assert cache_salt is not None
+        return b"\x00salt" + hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=16).digest()
+    h = hashlib.blake2b(lora_key.encode("utf-8"), digest_size=16)
+    if cache_salt is not None:
+        h.update(b"\x00salt" + cache_salt.encode("utf-8"))
+    return b"\x00lora" + h.digest()
 
 
 class BlockPool:
@@ -195,7 +203,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             # cache_salt: a salted root, so only requests with the same salt share blocks.
-            parent = hashes[-1] if hashes else salt_root(request.cache_salt)
+            # LoRA: blocks computed under one adapter load are its own (docs/lora.md).
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt, request.lora_key)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 

@@ -38,6 +38,8 @@ class EngineCoreRequest:
     # the core's thread); None there makes the core build one (a backend that pickles).
     grammar: GrammarMatcher | None = None
     cache_salt: str | None = None  # vLLM's prefix-cache isolation between tenants
+    lora_int_id: int = 0  # its LoRA adapter (0: none), loaded in the runner before the ADD
+    lora_key: str | None = None  # unique per load of that adapter (the prefix-cache key)
 
 
 class MessageType(enum.Enum):

@@ -50,6 +50,8 @@ class Request:
     finished_by_grammar: bool = False  # its grammar matched and allows nothing more
     error: str | None = None  # set when its own logits processor failed: it ends in error
     cache_salt: str | None = None  # prefix-cache isolation: blocks shared only within a salt
+    lora_int_id: int = 0  # the LoRA adapter it runs under (0: the base model; docs/lora.md)
+    lora_key: str | None = None  # that adapter's load, unique per load: the prefix-cache key
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -66,6 +66,8 @@ class Scheduler:
         self.max_num_seqs = sc.max_num_seqs
         self.max_num_batched_tokens = sc.max_num_batched_tokens
         self.enable_chunked_prefill = sc.enable_chunked_prefill
+        # The most distinct LoRA adapters among running requests (docs/lora.md).
+        self.max_loras = config.lora.max_loras
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(
@@ -301,8 +303,15 @@ class Scheduler:
         if self.step_num_preemptions == 0:
             if self.policy == "priority":
                 self.waiting.sort(key=lambda r: (r.priority, r.arrival_time))
+            # Requests whose adapter would exceed max_loras wait, keeping their places.
+            lora_skipped: list[Request] = []
+            loras = {r.lora_int_id for r in self.running if r.lora_int_id}
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                lora = request.lora_int_id
+                if lora and lora not in loras and len(loras) >= self.max_loras:
+                    lora_skipped.append(self.waiting.pop(0))
+                    continue
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if (
@@ -325,6 +334,9 @@ class Scheduler:
                 self._set_status(request, RequestStatus.RUNNING)
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+                if lora:
+                    loras.add(lora)
+            self.waiting[:0] = lora_skipped
 
         # 3. The batch: decodes first, then prefills.
         out = SchedulerOutput()

@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from nbengine.dashboard.style import badge_html, constraint_tag_html, format_seconds
+from nbengine.dashboard.style import (
+    badge_html,
+    constraint_tag_html,
+    format_seconds,
+    lora_tag_html,
+)
 from nbengine.dashboard.traits import TraitWriter
 from nbengine.model.device import describe_device
 from nbengine.request import RequestStatus
@@ -287,7 +292,8 @@ class DashboardView:
             row.id_cell,
             "value",
             f'<span style="font-family:monospace">{html.escape(r.request_id)}</span>'
-            + constraint_tag_html(r.constraint),
+            + constraint_tag_html(r.constraint)
+            + lora_tag_html(r.lora),
         )
         self._set(row.source, "value", html.escape(request_source(r.request_id)))
         self._set(row.badge, "value", badge_html(status))

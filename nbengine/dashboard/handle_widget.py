@@ -18,7 +18,7 @@ import ipywidgets as widgets
 
 from nbengine.dashboard.monitor import in_kernel as _in_kernel
 from nbengine.dashboard.stream_text import StreamingText
-from nbengine.dashboard.style import badge_html, constraint_tag_html
+from nbengine.dashboard.style import badge_html, constraint_tag_html, lora_tag_html
 from nbengine.dashboard.traits import TraitWriter
 from nbengine.request import RequestStatus
 
@@ -61,14 +61,22 @@ class HandleWidget(widgets.VBox):
     and ``text`` are the parts; ``view`` keeps them up to date.
     """
 
-    def __init__(self, request_id: str, constraint: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        constraint: str | None = None,
+        lora_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.request_id = request_id
         self.constraint = constraint  # structured outputs: shown as a tag after the id
+        self.lora_name = lora_name  # its LoRA adapter: a tag after that (docs/lora.md)
         self.badge = widgets.HTML(badge_html(RequestStatus.QUEUED))
         self.badge.add_class("nbengine-badge")
         self.title = widgets.HTML(
             f'<b style="font-family:monospace">{html.escape(request_id)}</b>'
             + constraint_tag_html(constraint)
+            + lora_tag_html(lora_name)
         )
         self.stats = widgets.HTML(_stats_html(0, None))
         self.cancel_button = widgets.Button(
@@ -177,9 +185,14 @@ def _constraint(handle: RequestHandle) -> str | None:
     return None if spec is None else spec.describe()
 
 
+def _lora_name(handle: RequestHandle) -> str | None:
+    lora = handle.lora_request
+    return None if lora is None else lora.lora_name
+
+
 def make_handle_widget(handle: RequestHandle, updater: UIUpdater) -> HandleWidget:
     """Create (on the caller's thread) the widget of ``handle`` and register its view."""
-    widget = HandleWidget(handle.request_id, _constraint(handle))
+    widget = HandleWidget(handle.request_id, _constraint(handle), _lora_name(handle))
     view = HandleView(handle, widget, updater)
     with updater.lock:
         done = view.refresh()  # the current state at once, before the first tick
@@ -198,7 +211,7 @@ class _NoUpdates:
 def final_handle_widget(handle: RequestHandle) -> HandleWidget:
     """A widget of a finished handle whose engine is gone: its final state, no updates
     (``RequestHandle.widget()`` keeps one per handle)."""
-    widget = HandleWidget(handle.request_id, _constraint(handle))
+    widget = HandleWidget(handle.request_id, _constraint(handle), _lora_name(handle))
     view = HandleView(handle, widget, cast("UIUpdater", _NoUpdates()))
     view.refresh()
     return widget

@@ -85,6 +85,10 @@ class EngineMonitor:
         """Hook: ``key`` runs under a structured-output constraint."""
         self.metrics.on_constraint(key, request_id, constraint)
 
+    def on_adapter(self, key: str, request_id: str, lora_name: str) -> None:
+        """Hook: ``key`` runs under the LoRA adapter ``lora_name``."""
+        self.metrics.on_adapter(key, request_id, lora_name)
+
     def on_scheduled(self, key: str, when: float) -> None:
         """``key`` went RUNNING. The frontend stamps events when a batch reaches the loop;
         ``when`` is the core's (earlier) schedule time of the request."""

@@ -61,3 +61,17 @@ def constraint_tag_html(constraint: str | None) -> str:
         'style="font-size:10px;padding:0 4px;border-radius:3px;background:#ede7f6;'
         f'color:#4527a0;font-family:monospace">{html.escape(kind)}</span>'
     )
+
+
+def lora_tag_html(lora_name: str | None) -> str:
+    """A small tag naming a request's LoRA adapter (docs/lora.md); "" for the base model."""
+    if not lora_name:
+        return ""
+    import html
+
+    name = html.escape(lora_name, quote=True)
+    return (
+        f' <span class="nbengine-lora" title="LoRA adapter {name}" '
+        'style="font-size:10px;padding:0 4px;border-radius:3px;background:#e0f2f1;'
+        f'color:#00695c;font-family:monospace">{name}</span>'
+    )

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from nbengine.frontend.engine import Engine
     from nbengine.frontend.handles import RequestHandle
     from nbengine.llm import LLM
+    from nbengine.lora.request import LoRARequest
     from nbengine.outputs import CompletionOutput, RequestOutput
     from nbengine.sampling_params import SamplingParams
 
@@ -156,6 +157,7 @@ def engine_chat(
     params: SamplingParams | None,
     request_id: str | None,
     tool_call_parser: str | None = None,
+    lora_request: LoRARequest | None = None,
     **template_options: Any,
 ) -> RequestHandle:
     """``Engine.chat``: render, then ``engine.generate`` the ids; the handle's ``prompt``
@@ -169,7 +171,9 @@ def engine_chat(
     prompt = render_chat(engine.tokenizer, messages, **template_options)
     if parser is not None:
         params = _for_parser(params or engine.get_default_sampling_params(), parser)
-    handle = engine.generate(prompt.token_ids, params, request_id=request_id)
+    handle = engine.generate(
+        prompt.token_ids, params, request_id=request_id, lora_request=lora_request
+    )
     handle.prompt = prompt.text  # generate() saw ids only; show the user what was sent
     if parser is not None:
         seen: dict[tuple[int, str], ExtractedToolCalls] = {}

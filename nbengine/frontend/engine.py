@@ -29,10 +29,12 @@ from nbengine.frontend import lifecycle
 from nbengine.frontend.engine_setup import make_core_client, make_input_processor, resolve_engine
 from nbengine.frontend.handles import RequestHandle
 from nbengine.frontend.loop_bridge import LoopBridge, client_callbacks, reap_engine
+from nbengine.frontend.lora import LoRAManager
 from nbengine.frontend.notebook import NotebookFacade, preload_widget_modules
 from nbengine.frontend.observer import EngineObserver, ObserverList
 from nbengine.frontend.registry import RequestRegistry
 from nbengine.frontend.request_control import RequestControl
+from nbengine.lora.request import LoRARequest
 from nbengine.metrics import MetricsLog
 from nbengine.outputs import RequestOutput
 from nbengine.request import EngineDeadError
@@ -111,6 +113,12 @@ class Engine(NotebookFacade):
             dead_reason=lambda: None if ref() is None else ref()._dead,  # type: ignore[union-attr]
         )
         self._control = RequestControl(self._bridge, self._registry, self, closed)
+        bridge = self._bridge  # the manager holds no reference to the engine
+
+        def wait(fut: Future[Any], what: str) -> Any:
+            return bridge.wait_future(fut, time.monotonic() + 300.0, what)
+
+        self._loras = LoRAManager(self.config.lora, self._client.run_utility, wait)
         self._client.start(*client_callbacks(ref))
         if backend == "inproc":
             self._core_thread: threading.Thread = self._client.thread  # type: ignore[attr-defined]
@@ -170,24 +178,31 @@ class Engine(NotebookFacade):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestHandle:
         """Start generating for ``prompt`` (a str or token ids); return its handle at once.
 
+        ``lora_request``: run under that LoRA adapter (``enable_lora=True``; docs/lora.md),
+        loaded on first use (a bad adapter raises here, naming the field).
+
         Raises ValueError/TypeError for an invalid prompt, id or params,
         RequestIdInUseError if ``request_id`` is still live, EngineDeadError if the
-        engine failed or was shut down. Thread-safe; never blocks on the model.
+        engine failed or was shut down. Thread-safe; never blocks on the model (only a
+        first use of an adapter waits for it to be loaded between two steps).
         """
         if self._dead is not None or self._closed:
             raise EngineDeadError(self._dead or "The engine has been shut down.")
         if not self._client.is_alive():  # died without its failure reaching the loop
             raise EngineDeadError("The engine core thread is gone.")
         prep = self._inputs.prepare(prompt, sampling_params, request_id, priority)
+        prep.lora = self._loras.resolve(lora_request)
         return self._control.submit(prep)
 
     def generate_many(
         self,
         prompts: Sequence[str | Sequence[int] | dict[str, Any]],
         sampling_params: Sequence[SamplingParams | None],
+        lora_requests: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestHandle]:
         """Start one request per prompt, with the params at the same index; return their
         handles in order (``LLM.generate`` is built on this).
@@ -200,7 +215,11 @@ class Engine(NotebookFacade):
             raise ValueError(
                 f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts."
             )
+        if lora_requests is not None and len(lora_requests) != len(prompts):
+            raise ValueError(f"Got {len(lora_requests)} lora_requests for {len(prompts)} prompts.")
         prepared = [self._inputs.prepare(p, sp, None, 0) for p, sp in zip(prompts, sampling_params)]
+        for prep, lora in zip(prepared, lora_requests or ()):
+            prep.lora = self._loras.resolve(lora)
         return self._control.submit_all(prepared)
 
     def chat(
@@ -214,6 +233,7 @@ class Engine(NotebookFacade):
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
         tool_call_parser: str | None = None,
     ) -> RequestHandle:
         """Start the assistant's reply to ``messages``; return its handle at once.
@@ -247,7 +267,36 @@ class Engine(NotebookFacade):
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
+            lora_request=lora_request,
         )
+
+    # ------------------------------------------------------------- LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter now (docs/lora.md); False if it was loaded already.
+
+        Raises ValueError naming the field for an adapter that does not fit (``r`` above
+        ``max_lora_rank``, ``target_modules``, the base model's shapes) and ValueError on an
+        engine without ``enable_lora=True``.
+        """
+        return self._loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload adapter ``lora_int_id``; False if it is not loaded. Raises
+        ``LoRAInUseError`` (a ValueError) while waiting or running requests use it."""
+        return self._loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded LoRA adapters (vLLM's ``list_loras``)."""
+        return self._loras.list_ids()
+
+    def lora_by_name(self, lora_name: str) -> LoRARequest | None:
+        """The loaded LoRA adapter called ``lora_name`` (the server's ``model``), or None."""
+        return self._loras.by_name(lora_name)
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The loaded LoRA adapters, by id (the server lists them in /v1/models)."""
+        return self._loras.requests()
 
     def abort(
         self, request_ids: str | Iterable[str], timeout: float | None = None

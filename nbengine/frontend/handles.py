@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from nbengine.dashboard.handle_widget import HandleWidget
     from nbengine.dashboard.monitor import EngineMonitor
     from nbengine.frontend.output_processor import ChildState, LiveRequest
+    from nbengine.lora.request import LoRARequest
 
 __all__ = ["HandleOwner", "RequestHandle"]
 
@@ -141,6 +142,7 @@ class RequestHandle:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = arrival_time
+        self.lora_request: LoRARequest | None = None  # its LoRA adapter (docs/lora.md)
         # A live request keeps its engine alive (docs/reliability.md); a finished one must
         # not: widgets and IPython's Out[n] keep handles for the kernel's life, and they
         # would keep a re-created engine's predecessor, its threads and model with it.

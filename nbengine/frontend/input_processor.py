@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbengine.frontend.lora import BASE, ResolvedLoRA
 from nbengine.sampling_params import SamplingParams
 from nbengine.structured_outputs import GrammarCompiler, GrammarMatcher
 from nbengine.validation import check_encodable, is_int
@@ -39,6 +40,7 @@ class PreparedRequest:
     # thread so that the engine core never compiles a grammar.
     grammars: list[GrammarMatcher] | None = None
     cache_salt: str | None = None  # from a prompt dict's "cache_salt"
+    lora: ResolvedLoRA = BASE  # its LoRA adapter, loaded (docs/lora.md); BASE: none
 
 
 class InputProcessor:

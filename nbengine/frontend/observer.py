@@ -41,6 +41,10 @@ class EngineObserver(Protocol):
         """``key`` runs under a structured-output constraint (its short description)."""
         return None
 
+    def on_adapter(self, key: str, request_id: str, lora_name: str) -> None:
+        """``key`` runs under the LoRA adapter ``lora_name`` (docs/lora.md)."""
+        return None
+
     def on_event(self, ev: LifecycleEvent) -> None:
         """A lifecycle transition of one incarnation."""
         return None
@@ -72,6 +76,7 @@ class EngineObserver(Protocol):
 _HOOKS = (
     "on_request",
     "on_constraint",
+    "on_adapter",
     "on_event",
     "on_scheduled",
     "on_tokens",
@@ -149,6 +154,13 @@ class ObserverList(EngineObserver):
                 fn(key, request_id, constraint)
             except Exception:
                 logger.exception("on_constraint hook of %r failed", obs)
+
+    def on_adapter(self, key: str, request_id: str, lora_name: str) -> None:
+        for obs, fn in self._hooks["on_adapter"]:
+            try:
+                fn(key, request_id, lora_name)
+            except Exception:
+                logger.exception("on_adapter hook of %r failed", obs)
 
     def on_event(self, ev: LifecycleEvent) -> None:
         for obs, fn in self._hooks["on_event"]:

@@ -96,6 +96,11 @@ class RequestRegistry:
         )
         self.processor.add(live)
         prep.handle = handle
+        lora = prep.lora.request
+        if lora is not None:  # the dashboard and request_stats() name the adapter
+            handle.lora_request = lora
+            for child in children:
+                self._observers.on_adapter(child.key, request_id, lora.lora_name)
         if params.structured_outputs is not None:  # the dashboard marks constrained requests
             constraint = params.structured_outputs.describe()
             for child in children:
@@ -113,6 +118,8 @@ class RequestRegistry:
                         eos_token_ids=self._eos_token_ids,
                         grammar=prep.grammars[i] if prep.grammars else None,
                         cache_salt=prep.cache_salt,
+                        lora_int_id=prep.lora.int_id,
+                        lora_key=prep.lora.key,
                     ),
                 )
             )

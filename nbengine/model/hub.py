@@ -37,6 +37,7 @@ from nbengine.model.files import read_json
 
 __all__ = [
     "ENGINE_FILES",
+    "resolve_hub_adapter",
     "HubSettings",
     "hub_settings",
     "is_hub_repo_id",
@@ -283,5 +284,44 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
         raise ModelLoadError(
             f"The Hugging Face Hub model {_describe(repo_id, revision)} has no safetensors "
             "weights; nbengine does not load pytorch_model.bin (docs/models.md)."
+        )
+    return snapshot
+
+
+def resolve_hub_adapter(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot directory of a PEFT LoRA adapter on the Hub (docs/lora.md): the
+    cache first, then a download of only ``adapter_config.json`` and
+    ``adapter_model.safetensors``, with the same settings and errors as models."""
+    from huggingface_hub.errors import HFValidationError
+
+    from nbengine.lora.adapter import ADAPTER_FILES
+
+    settings = hub_settings()
+    files = list(ADAPTER_FILES)
+
+    def complete(folder: Path) -> bool:
+        return all((folder / f).is_file() for f in files)
+
+    try:
+        cached = _snapshot(repo_id, revision, files, settings, local_files_only=True)
+    except HFValidationError as exc:
+        raise ModelLoadError(f"{repo_id!r} is not a valid Hub adapter id: {exc}") from exc
+    except Exception:  # not cached, or only partly
+        cached = None
+    if cached is not None and complete(cached):
+        return cached
+    if settings.offline:
+        raise ModelLoadError(
+            f"The LoRA adapter {_describe(repo_id, revision)} is not in the Hub cache "
+            f"({settings.cache_dir}). " + _hint_offline(repo_id)
+        )
+    try:
+        snapshot = _snapshot(repo_id, revision, files, settings, local_files_only=False)
+    except Exception as exc:
+        raise _as_model_load_error(exc, repo_id, revision, settings) from exc
+    if not complete(snapshot):
+        raise ModelLoadError(
+            f"The Hub repo {_describe(repo_id, revision)} is not a PEFT LoRA adapter: it has "
+            f"no {' or '.join(f for f in files if not (snapshot / f).is_file())}."
         )
     return snapshot

@@ -314,6 +314,7 @@ class LlamaForCausalLM(CheckpointModule, PlannedDecode):
         # With oneDNN twins (ops/linear.py), decode steps of more rows than this run the
         # module path, whose products of that many rows run on the twins; None: no limit.
         self.decode_plan_max_rows: int | None = None
+        self.decode_plans_paused = False  # pause_decode_plans: a LoRA step (docs/lora.md)
         self._plan: DecodePlan | None = None
 
     def forward(
@@ -342,6 +343,10 @@ class LlamaForCausalLM(CheckpointModule, PlannedDecode):
         """Whether decode plans may run, and on steps of at most how many rows."""
         self.decode_plans_enabled = enabled
         self.decode_plan_max_rows = max_rows
+
+    def pause_decode_plans(self, paused: bool) -> None:
+        """While paused, decode steps take the module path (the runner's LoRA steps)."""
+        self.decode_plans_paused = paused
 
     def decode_logits(
         self,
@@ -382,6 +387,7 @@ class LlamaForCausalLM(CheckpointModule, PlannedDecode):
         return (
             meta.num_decodes == rows
             and self.decode_plans_enabled
+            and not self.decode_plans_paused
             and (limit is None or rows <= limit)
         )
 

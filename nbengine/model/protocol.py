@@ -89,3 +89,8 @@ class PlannedDecode(Protocol):
         (the device path runs torch ops only) and the most rows of a step they may take
         (None: no limit; larger steps take the module path). Defaults: enabled, no limit."""
         ...
+
+    def pause_decode_plans(self, paused: bool) -> None:
+        """While paused, every step takes the module path (a step with LoRA adapter rows:
+        the plan's native call cannot add their deltas; docs/lora.md)."""
+        ...

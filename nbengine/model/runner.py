@@ -37,6 +37,7 @@ from nbengine.core.scheduler_output import (
     SchedulerOutput,
 )
 from nbengine.core.spec_decode import prefix_view
+from nbengine.lora.layers import LoRALayers
 from nbengine.model.draft import DraftModelProposer
 from nbengine.model.loader import LoadedModel, load_model
 from nbengine.model.memory_plan import MemoryPlan, plan_memory
@@ -84,6 +85,7 @@ class _Step:
     plp_targets: list[int] = field(default_factory=list)
     plp_ks: list[int] = field(default_factory=list)
     plp_spans: list[tuple[str, bool, int]] = field(default_factory=list)  # (key, lead None, n)
+    lora_spans: list[tuple[int, int]] = field(default_factory=list)  # (adapter id, rows)
 
 
 @dataclass(slots=True)
@@ -212,6 +214,10 @@ class ModelRunner:
             # Quantized products of many rows dequantize into oneDNN (ops/quant.py), so
             # larger decode steps take the module path there too.
             plan_max_rows = ONEDNN_MIN_ROWS - 1
+        # LoRA adapters (docs/lora.md): hooks on the linear layers as packed or quantized.
+        self.lora: LoRALayers | None = (
+            LoRALayers(loaded.model, self.device) if config.lora.enable_lora else None
+        )
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.block_size: int = config.cache.block_size
@@ -277,7 +283,21 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if batch.is_empty:
             return out
-        return self._execute_step(self._flatten(batch), out)
+        step = self._flatten(batch)
+        lora = self.lora
+        if lora is None or not lora.begin_step(step.lora_spans):
+            return self._execute_step(step, out)
+        # A step with adapter rows runs the module path: the decode plan's one native
+        # call cannot add the deltas (docs/lora.md, "Cost").
+        planned = self.model if isinstance(self.model, PlannedDecode) else None
+        if planned is not None:
+            planned.pause_decode_plans(True)
+        try:
+            return self._execute_step(step, out)
+        finally:
+            lora.end_step()
+            if planned is not None:
+                planned.pause_decode_plans(False)
 
     def _execute_on_host(self, step: _Step, out: ModelRunnerOutput) -> ModelRunnerOutput:
         """One step on the CPU's default path: the forward chosen at construction, then
@@ -356,6 +376,9 @@ class ModelRunner:
             assert end <= max_len, "chunk beyond max_model_len"
             ids.extend(req.all_token_ids[c.start_pos : end])
             drafts = c.draft_token_ids
+            # The request's rows in this step, its drafts' rows included: each gets its
+            # adapter's delta (docs/lora.md).
+            step.lora_spans.append((req.lora_int_id, c.num_tokens + len(drafts)))
             if drafts:
                 # Speculative decoding: the drafts follow the decoded token, each position
                 # a one-token row of its own (a decode at that position). Every layer

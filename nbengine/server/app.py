@@ -143,14 +143,19 @@ class _ServerState:
         if not self.engine.is_alive:
             raise _engine_dead("The engine is not running.")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> Any:
+        """The LoRA adapter named by ``model`` (docs/lora.md), None for the base model."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.engine.lora_by_name(model) if hasattr(self.engine, "lora_by_name") else None
+        if lora is None:
             raise P.ProtocolError(
                 404,
                 f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
                 param="model",
                 code="model_not_found",
             )
+        return lora
 
     async def read_json(self, request: Request) -> Any:
         limit = self.limits.max_request_bytes
@@ -428,6 +433,17 @@ def build_app(
                         "owned_by": "nbengine",
                         "max_model_len": getattr(engine, "max_model_len", None),
                     }
+                ]
+                + [  # LoRA adapters, as vLLM lists them
+                    {
+                        "id": r.lora_name,
+                        "object": "model",
+                        "created": P.now(),
+                        "owned_by": "nbengine",
+                        "parent": model_name,
+                        "root": str(r.lora_path),
+                    }
+                    for r in getattr(engine, "lora_requests", list)()
                 ],
             }
         )
@@ -442,7 +458,7 @@ def build_app(
         try:
             state.check_key(request)
             req = P.parse_request(P.CompletionRequest, await state.read_json(request))
-            state.check_model(req.model)
+            lora = state.check_model(req.model)
             state.check_alive()
             prompt = req.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -463,12 +479,14 @@ def build_app(
             params = RF.constrained(params, constraint)
             rid, engine_id = state.request_id(request, "cmpl")
             handle = state.start(
-                lambda: engine.generate(prompt, params, request_id=engine_id), "prompt"
+                lambda: engine.generate(prompt, params, request_id=engine_id, lora_request=lora),
+                "prompt",
             )
         except P.ProtocolError as exc:
             return _error(RF.name_field(exc, constraint))
         created = P.now()
-        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        served = model_name if lora is None else lora.lora_name
+        head = {"id": rid, "object": "text_completion", "created": created, "model": served}
         if req.stream:
             return _EventStream(
                 state,
@@ -494,7 +512,7 @@ def build_app(
         try:
             state.check_key(request)
             req = P.parse_request(P.ChatCompletionRequest, await state.read_json(request))
-            state.check_model(req.model)
+            lora = state.check_model(req.model)
             state.check_alive()
             params = P.to_sampling_params(
                 req,
@@ -517,6 +535,7 @@ def build_app(
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     chat_template_kwargs=req.chat_template_kwargs,
+                    lora_request=lora,
                     tools=tool.template_tools,
                     tool_call_parser="none",  # the server parses (tool_calls.py)
                 ),
@@ -525,7 +544,8 @@ def build_app(
         except P.ProtocolError as exc:
             return _error(RF.name_field(exc, constraint))
         top_n = req.top_logprobs or 0
-        head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": model_name}
+        served = model_name if lora is None else lora.lora_name
+        head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": served}
         if req.stream:
             chunk_head = {**head, "object": "chat.completion.chunk"}
             want_logprobs = handle.sampling_params.logprobs is not None

@@ -105,6 +105,15 @@ def add_serve_parser(
     p.add_argument("--dtype", default="auto", help="model dtype (auto, bfloat16, float32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the most requests per batch")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories or Hub ids) a client names as its model",
+    )
+    p.add_argument("--max-loras", type=int, default=None, help="most adapters in one step")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank")
 
 
 def _port(text: str) -> int:
@@ -153,6 +162,12 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
         engine_kw["max_model_len"] = args.max_model_len
     if args.max_num_seqs is not None:
         engine_kw["max_num_seqs"] = args.max_num_seqs
+    lora_modules = _lora_modules(args.lora_modules)
+    if lora_modules:
+        engine_kw["enable_lora"] = True
+        engine_kw["max_loras"] = args.max_loras or len(lora_modules)
+        if args.max_lora_rank is not None:
+            engine_kw["max_lora_rank"] = args.max_lora_rank
     from nbengine.server.limits import is_loopback
     from nbengine.server.server import Server
 
@@ -174,6 +189,7 @@ def run_serve(args: argparse.Namespace, stop: threading.Event | None = None) -> 
                 max_request_bytes=args.max_request_bytes,
                 stream_interval=args.stream_interval,
                 chat_template=_template(args.chat_template),
+                lora_modules=lora_modules,
                 reasoning_parser=args.reasoning_parser,
                 tool_call_parser=args.tool_call_parser,
             )
@@ -197,3 +213,18 @@ def _template(value: str | None) -> str | None:
     if value is not None and Path(value).expanduser().is_file():
         return Path(value).expanduser().read_text(encoding="utf-8")
     return value
+
+
+def _lora_modules(values: list[str] | None) -> dict[str, str]:
+    """``--lora-modules name=path ...`` as a dict (vLLM's form)."""
+    from nbengine.cli_args import CliError
+
+    out: dict[str, str] = {}
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise CliError(f"--lora-modules: expected NAME=PATH, got {value!r}")
+        if name in out:
+            raise CliError(f"--lora-modules: {name!r} is given twice")
+        out[name] = path
+    return out

@@ -55,6 +55,7 @@ class Server:
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
         log_level: str = "warning",
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
         try:
             import uvicorn
@@ -89,6 +90,7 @@ class Server:
             from nbengine.request import EngineDeadError
 
             raise EngineDeadError("The engine is not running; it cannot be served.")
+        add_lora_modules(engine, lora_modules)
         self.engine = engine
         self.model_name = model_name or default_model_name(engine)
         self.app = build_app(
@@ -223,6 +225,21 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def add_lora_modules(engine: Any, lora_modules: dict[str, str] | None) -> None:
+    """Load ``{name: adapter path or Hub id}`` into ``engine`` (vLLM's ``--lora-modules``),
+    each under the next free ``lora_int_id``; a client names one as its ``model``."""
+    if not lora_modules:
+        return
+    if not isinstance(lora_modules, dict):
+        raise TypeError(f"lora_modules must be a dict of name -> path, got {lora_modules!r}.")
+    from nbengine.lora.request import LoRARequest
+
+    next_id = max(engine.list_loras(), default=0) + 1
+    for name, path in lora_modules.items():
+        engine.add_lora(LoRARequest(name, next_id, path))
+        next_id += 1
 
 
 def default_model_name(engine: Any) -> str:
