@@ -28,9 +28,9 @@ def test_w4_passage_is_the_engines_greedy_continuation_of_its_cue(
     assert wl.output_lens == [128]
     cue, passage = prompt[:16], prompt[16:-16]
     assert prompt[-16:] == cue  # the cue again, after the passage
-    assert len(passage) == 128
+    assert len(passage) == 96
     # The passage is exactly what the engine writes after the cue, without speculation.
-    assert passage == _greedy(make_engine(dtype="float32"), cue, 128)
+    assert passage == _greedy(make_engine(dtype="float32"), cue, 96)
 
     # Deterministic: another cache (so the engine runs again) gives the same prompt;
     # the cache holds the passage, and a second call reads it.

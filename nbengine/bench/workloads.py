@@ -11,7 +11,7 @@
   - W3: 64 requests sharing a 192-token prefix (+ 16 own tokens), 32 output tokens each;
   - W4: one request whose output repeats much of its prompt, the workload of n-gram
     speculative decoding (docs/speculative-decoding.md). A random 16-token cue; the
-    passage is the model's own greedy continuation of the cue (128 tokens, made once by
+    passage is the model's own greedy continuation of the cue (96 tokens, made once by
     the engine under test without speculation, before timing: ``engine_continuation``);
     the prompt is cue + passage + cue again (a user pasting a passage the model would
     write and asking for it again), 128 output tokens. Built from the model because a
@@ -278,7 +278,7 @@ def make_workloads(
         elif name == "W4":
             assert continuation is not None  # checked above
             cue = ids(scaled(16, scale, 4))
-            passage = continuation(cue, scaled(128, scale, 16))
+            passage = continuation(cue, scaled(96, scale, 16))
             out[name] = Workload(name, [cue + passage + cue], [scaled(128, scale, 8)])
         else:
             raise ValueError(f"Unknown workload {name!r}; choose from {ALL_WORKLOADS}.")
