@@ -4,10 +4,12 @@ For each model (the shipped default model, the bench model) and workload (W4: th
 output repeats its prompt; W2: one stream, nothing planned to look up), the same
 ``NbengineDriver`` runs the workload without and with ``speculative_config``, A and B
 alternating (the order flips every repeat), so the machine's load hits both alike.
-Prints one line per run and the median ratio per (model, workload), and the share of
-drafted tokens accepted (docs/speculative-decoding.md, docs/benchmarks.md).
+W4's passage is each model's own greedy text (made once before timing, cached:
+``engine_continuation``). Prints one line per run and the median ratio per (model,
+workload, k), and the share of drafted tokens accepted (docs/speculative-decoding.md,
+docs/benchmarks.md).
 
-    python scripts/bench_spec.py [--repeats 5] [--k 4] [--models default,bench]
+    python scripts/bench_spec.py [--repeats 5] [--k 4 | --k 3,4,5,6,7,8] [--models default,bench]
         [--draft DIR]   # method "draft_model" with the model in DIR instead of n-gram
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from nbengine.bench.engines import NbengineDriver
-from nbengine.bench.workloads import bench_model_dir, make_workloads
+from nbengine.bench.workloads import bench_model_dir, engine_continuation, make_workloads
 from nbengine.model.loader import resolve_model_dir
 
 
@@ -36,43 +38,63 @@ def _model(name: str) -> tuple[Path, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k", default="4", help="num_speculative_tokens (comma-separated: each)")
     p.add_argument("--models", default="default,bench")
     p.add_argument("--workloads", default="W4,W2")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--draft", default=None, help="draft model directory (draft_model)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.k}
-    if args.draft:
-        spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
     for model in args.models.split(","):
         path, vocab = _model(model)
-        wls = make_workloads(args.workloads.split(","), vocab)
+        wls = make_workloads(args.workloads.split(","), vocab, continuation=_cont(path))
         driver = NbengineDriver(path, "bfloat16", {"num_kv_blocks": 256})
         for name, wl in wls.items():
             driver.run(wl)  # warm-up (page cache, kernels)
-            rates: dict[str, list[float]] = {"off": [], "on": []}
-            for rep in range(args.repeats):
-                order = ("off", "on") if rep % 2 == 0 else ("on", "off")
-                for label in order:
-                    kw = {"speculative_config": spec} if label == "on" else {}
-                    res = driver.run(wl, **kw)
-                    rate = res.output_tokens / res.wall_s
-                    rates[label].append(rate)
-                    print(
-                        f"{model} {name} {label:3s} {rate:8.1f} tok/s "
-                        f"({res.output_tokens} tokens, {res.extra['num_steps']} steps)",
-                        flush=True,
-                    )
-            ratios = [b / a for a, b in zip(rates["off"], rates["on"])]
+            for k in (int(x) for x in args.k.split(",")):
+                _ab(driver, model, name, wl, _spec(args.draft, k), args.repeats)
+
+
+def _cont(path: Path) -> Any:
+    return engine_continuation(path, "bfloat16")
+
+
+def _spec(draft: str | None, k: int) -> dict[str, Any]:
+    if draft:
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    return {"method": "ngram", "num_speculative_tokens": k}
+
+
+def _ab(
+    driver: NbengineDriver, model: str, name: str, wl: Any, spec: dict[str, Any], repeats: int
+) -> None:
+    """``repeats`` off/on pairs, order flipping each repeat; prints runs and the medians."""
+    k = spec["num_speculative_tokens"]
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    drafted = accepted = 0
+    for rep in range(repeats):
+        order = ("off", "on") if rep % 2 == 0 else ("on", "off")
+        for label in order:
+            kw = {"speculative_config": spec} if label == "on" else {}
+            res = driver.run(wl, **kw)
+            rate = res.output_tokens / res.wall_s
+            rates[label].append(rate)
+            drafted += res.extra["spec_draft_tokens"]
+            accepted += res.extra["spec_accepted_tokens"]
             print(
-                f"== {model} {name}: off {statistics.median(rates['off']):.1f} tok/s, "
-                f"on {statistics.median(rates['on']):.1f} tok/s, "
-                f"ratio median {statistics.median(ratios):.2f}x "
-                f"(min {min(ratios):.2f}, max {max(ratios):.2f})",
+                f"{model} {name} k={k} {label:3s} {rate:8.1f} tok/s "
+                f"({res.output_tokens} tokens, {res.extra['num_steps']} steps)",
                 flush=True,
             )
+    ratios = [b / a for a, b in zip(rates["off"], rates["on"])]
+    print(
+        f"== {model} {name} k={k}: off {statistics.median(rates['off']):.1f} tok/s, "
+        f"on {statistics.median(rates['on']):.1f} tok/s, "
+        f"ratio median {statistics.median(ratios):.2f}x "
+        f"(min {min(ratios):.2f}, max {max(ratios):.2f}); "
+        f"accepted {accepted}/{drafted} drafted ({accepted / max(drafted, 1):.0%})",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 import nbengine as nb
-from nbengine.bench.workloads import bench_model_dir, make_workloads
+from nbengine.bench.workloads import bench_model_dir, engine_continuation, make_workloads
 from nbengine.core import engine_core
 from nbengine.frontend import registry
 from nbengine.model import decode_plan, runner
@@ -126,7 +126,9 @@ def main() -> None:
         max_num_batched_tokens=512,
     )
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    work = make_workloads([args.workload], vocab, args.scale)[args.workload]
+    qkw = {"quantization": args.quantization} if args.quantization else {}
+    cont = engine_continuation(model, "bfloat16", qkw)
+    work = make_workloads([args.workload], vocab, args.scale, continuation=cont)[args.workload]
 
     def run(prompts: list[list[int]], outs: list[int]) -> float:
         start = time.perf_counter()

@@ -159,7 +159,10 @@ class NbengineDriver:
                     res.itl_s.extend(_gaps(stamps))
             hits, queries = timer.hits
             res.extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
-            res.extra["num_steps"] = len(engine.step_stats())
+            steps = engine.step_stats()
+            res.extra["num_steps"] = len(steps)
+            res.extra["spec_draft_tokens"] = int(steps["spec_draft_tokens"].sum())
+            res.extra["spec_accepted_tokens"] = int(steps["spec_accepted_tokens"].sum())
         finally:
             engine.shutdown()
         return res

@@ -37,7 +37,12 @@ from nbengine.bench.machine import (
 )
 from nbengine.bench.report import load_figures, median_run, spread_warnings, targets
 from nbengine.bench.worker import Job
-from nbengine.bench.workloads import bench_model_dir, make_workloads, scaled
+from nbengine.bench.workloads import (
+    bench_model_dir,
+    engine_continuation,
+    make_workloads,
+    scaled,
+)
 
 __all__ = ["run_bench"]
 
@@ -84,7 +89,15 @@ class _Run:
             from nbengine.ops.quant import bytes_per_weight
 
             self.shape.weight_elem_bytes = bytes_per_weight(cfg.quantization)
-        self.wls = make_workloads(cfg.workloads, self.shape.vocab, cfg.scale, cfg.seed)
+        # W4's passage: the model's own greedy text, made here once (cached) before timing.
+        qkw = {"quantization": cfg.quantization} if cfg.quantization is not None else {}
+        self.wls = make_workloads(
+            cfg.workloads,
+            self.shape.vocab,
+            cfg.scale,
+            cfg.seed,
+            engine_continuation(self.path, cfg.dtype, qkw),
+        )
         ekw = {"max_num_seqs": 64, "max_num_batched_tokens": 512, **cfg.engine_kwargs}
         if cfg.quantization is not None:
             ekw["quantization"] = cfg.quantization

@@ -136,10 +136,12 @@ def run_job(job: Job) -> dict[str, Any]:
 
     from nbengine.bench.machine import probe, process_memory
     from nbengine.bench.report import percentile, summarise, to_ms
-    from nbengine.bench.workloads import make_workloads
+    from nbengine.bench.workloads import engine_continuation, make_workloads
 
     torch.set_num_threads(job.threads)
-    wl = make_workloads((job.workload,), job.vocab, job.scale, job.seed)[job.workload]
+    quant = job.engine_kwargs.get("quantization")
+    cont = engine_continuation(job.model_dir, job.dtype, {"quantization": quant} if quant else {})
+    wl = make_workloads((job.workload,), job.vocab, job.scale, job.seed, cont)[job.workload]
     t_load = time.perf_counter()
     driver = _driver(job)
     out: dict[str, Any] = {"load_s": time.perf_counter() - t_load}

@@ -9,9 +9,14 @@
   - W1: 64 requests, prompt lengths uniform in 16..256, output lengths uniform in 16..128;
   - W2: one request decoding 256 tokens (a 32-token prompt);
   - W3: 64 requests sharing a 192-token prefix (+ 16 own tokens), 32 output tokens each;
-  - W4: one request whose output repeats its prompt: a 96-token passage followed by its
-    first 16 tokens again (the continuation copies the rest of the passage), 128 output
-    tokens: the workload of n-gram speculative decoding (docs/speculative-decoding.md).
+  - W4: one request whose output repeats much of its prompt, the workload of n-gram
+    speculative decoding (docs/speculative-decoding.md). A random 16-token cue; the
+    passage is the model's own greedy continuation of the cue (96 tokens, made once by
+    the engine under test without speculation, before timing: ``engine_continuation``);
+    the prompt is cue + passage + cue again (a user pasting a passage the model would
+    write and asking for it again), 128 output tokens. Built from the model because a
+    model copies only text it would write itself: random-weight models do not copy
+    random token ids, so a random-id passage gave drafts nothing to accept.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import hashlib
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +36,10 @@ __all__ = [
     "SHAPES",
     "SMOLLM2_135M",
     "Workload",
+    "Continuation",
     "bench_lora_adapters",
     "bench_model_dir",
+    "engine_continuation",
     "make_workloads",
     "scaled",
 ]
@@ -157,10 +164,83 @@ def scaled(n: int, scale: float, lo: int) -> int:
     return max(lo, round(n * scale))
 
 
+Continuation = Callable[[list[int], int], list[int]]
+"""``(prompt_ids, n) -> the model's n greedy output ids`` (W4's passage)."""
+
+
+def _fingerprint(model_dir: Path) -> dict[str, Any]:
+    """What identifies a model directory's weights: its path, config and files' sizes/mtimes."""
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+    return {
+        "dir": str(model_dir.resolve()),
+        "config": (model_dir / "config.json").read_text(encoding="utf-8"),
+        "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+    }
+
+
+def engine_continuation(
+    model_dir: str | Path,
+    dtype: str = "bfloat16",
+    engine_kwargs: dict[str, Any] | None = None,
+    cache_dir: str | Path | None = None,
+) -> Continuation:
+    """A ``Continuation`` run by ``nb.Engine`` on ``model_dir`` (greedy, ``ignore_eos``,
+    no speculation), cached as JSON per (model, dtype, engine arguments, prompt, n) under
+    ``cache_dir`` (default: the bench cache's ``w4/``), so each model's passage is made once."""
+    path = Path(model_dir)
+    ekw = {k: v for k, v in (engine_kwargs or {}).items() if k != "speculative_config"}
+    root = (
+        Path(cache_dir)
+        if cache_dir is not None
+        else Path(os.environ.get("NBENGINE_CACHE", Path.home() / ".cache" / "nbengine")) / "w4"
+    )
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        ident: dict[str, Any] = {"model": _fingerprint(path), "dtype": dtype, "engine": ekw}
+        ident.update(prompt=prompt, n=n)
+        key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode())
+        file = root / f"{key.hexdigest()[:16]}.json"
+        if file.is_file():
+            return [int(t) for t in json.loads(file.read_text())]
+        ids = _greedy(path, dtype, ekw, prompt, n)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(ids))
+        tmp.replace(file)  # atomic: a concurrent reader sees all of it or none
+        return ids
+
+    return run
+
+
+def _greedy(
+    model_dir: Path, dtype: str, engine_kwargs: dict[str, Any], prompt: list[int], n: int
+) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` from a fresh engine on ``model_dir``."""
+    import nbengine as nb
+
+    kw = {"max_model_len": max(64, len(prompt) + n), **engine_kwargs, "dtype": dtype}
+    engine = nb.Engine(str(model_dir), **kw)
+    try:
+        sp = nb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return list(engine.generate(prompt, sp).result().outputs[0].token_ids)
+    finally:
+        engine.shutdown()
+
+
 def make_workloads(
-    names: Sequence[str], vocab: int, scale: float = 1.0, seed: int = 0
+    names: Sequence[str],
+    vocab: int,
+    scale: float = 1.0,
+    seed: int = 0,
+    continuation: Continuation | None = None,
 ) -> dict[str, Workload]:
-    """Deterministic workloads: the same ``(names, vocab, scale, seed)`` give the same token ids."""
+    """Deterministic workloads: the same ``(names, vocab, scale, seed)`` give the same token
+    ids (W4: and the same model; it needs ``continuation``, the model's greedy output)."""
+    if "W4" in names and continuation is None:
+        raise ValueError(
+            "make_workloads: W4 needs continuation= (the model's greedy output, e.g. "
+            "engine_continuation(model_dir)): its passage is text the model writes."
+        )
     out: dict[str, Workload] = {}
     hi_id = vocab - 1
     for name in names:
@@ -184,9 +264,10 @@ def make_workloads(
             prompts = [prefix + ids(16) for _ in range(n)]
             out[name] = Workload(name, prompts, [scaled(32, scale, 4)] * n, len(prefix))
         elif name == "W4":
-            text = ids(scaled(96, scale, 16))
-            cue = text[: scaled(16, scale, 4)]
-            out[name] = Workload(name, [text + cue], [scaled(128, scale, 8)])
+            assert continuation is not None  # checked above
+            cue = ids(scaled(16, scale, 4))
+            passage = continuation(cue, scaled(96, scale, 16))
+            out[name] = Workload(name, [cue + passage + cue], [scaled(128, scale, 8)])
         else:
             raise ValueError(f"Unknown workload {name!r}; choose from {ALL_WORKLOADS}.")
     return out

@@ -194,6 +194,13 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_fitting_tokens(self, request: Request) -> int:
+        """How many positions after the computed ones ``allocate_slots`` can give
+        ``request`` now: its held blocks' room plus every free block's."""
+        entry = self.req_to_blocks.get(request.request_id)
+        held = len(entry.blocks) if entry is not None else 0
+        return (held + self.pool.num_free_blocks) * self.block_size - request.num_computed_tokens
+
     # ---- prefix cache ---------------------------------------------------------------
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's full-block hashes, extended to cover all its current tokens."""

@@ -367,7 +367,8 @@ class Scheduler:
         """Drafts for a decoding ``request`` (none when speculation is off, for a prefill
         chunk, or where ``may_speculate`` says no), as many as the token budget, the
         model length, the pool and ``max_tokens`` leave room for: every draft may become
-        an output token, and one more token follows them."""
+        an output token, and one more token follows them. Asked only when a draft's slot
+        fits in the KV pool now (without preempting), so no drafting is wasted."""
         if self.proposer is None or num_new != 1:
             return []
         if (
@@ -378,6 +379,7 @@ class Scheduler:
         ):
             return []
         room = min(budget - 1, min(self.max_model_len, self.pool_tokens) - request.num_tokens - 1)
+        room = min(room, self.kv.num_fitting_tokens(request) - num_new)  # free slots now
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)

@@ -279,3 +279,34 @@ def test_max_model_len_inside_an_accepted_run(tiny_models) -> None:
         got = run(path, {"a": prompt}, greedy(100), SPEC, max_model_len=max_len)
         assert got.tokens == base.tokens
         assert len(prompt) + len(got.tokens["a"]) == max_len
+
+
+class _CountingProposer(NgramProposer):
+    """The n-gram proposer, counting the scheduler's ``draft`` calls (draft-model compute)."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        super().__init__(cfg)
+        self.calls = 0
+
+    def draft(self, request_id: str, token_ids: Any, max_tokens: int) -> list[int]:
+        self.calls += 1
+        return super().draft(request_id, token_ids, max_tokens)
+
+
+@pytest.mark.parametrize(("num_kv_blocks", "asked"), [(4, 0), (6, 2)])
+def test_drafts_are_asked_for_only_when_their_slots_fit(num_kv_blocks: int, asked: int) -> None:
+    from .fake_runner import make_core, make_request
+
+    # Two requests of 7 prompt tokens in blocks of 4: after the prefill each holds 2
+    # blocks, and its next token fits in them. With 4 blocks in all, no draft slot fits
+    # (so drafting would be wasted work); with 6, one more block each does.
+    core = make_core(num_kv_blocks=num_kv_blocks, block_size=4, speculative_config=SPEC)
+    proposer = _CountingProposer(core.scheduler.config.speculative)
+    core.scheduler.proposer = proposer
+    for rid in ("a", "b"):
+        core.add_request(make_request(rid, [1, 2, 3, 1, 2, 3, 1], max_tokens=8))
+    core.step()  # both prefills
+    proposer.calls = 0
+    batch = core.scheduler.schedule()
+    assert proposer.calls == asked
+    assert (batch.num_draft_tokens > 0) == (asked > 0)
