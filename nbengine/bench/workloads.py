@@ -8,7 +8,9 @@
 
   - W1: 64 requests, prompt lengths uniform in 16..256, output lengths uniform in 16..128;
   - W2: one request decoding 256 tokens (a 32-token prompt);
-  - W3: 64 requests sharing a 192-token prefix (+ 16 own tokens), 32 output tokens each.
+  - W3: 64 requests sharing a 192-token prefix (+ 16 own tokens), 32 output tokens each;
+  - P1024 (on request only, ``--workloads P1024``): one 1024-token prompt, one output
+    token: time to first token of a long prompt (prefill).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 __all__ = [
     "ALL_WORKLOADS",
     "DEFAULT_SHAPE",
+    "KNOWN_WORKLOADS",
     "SHAPES",
     "SMOLLM2_135M",
     "Workload",
@@ -33,7 +36,8 @@ __all__ = [
     "scaled",
 ]
 
-ALL_WORKLOADS = ("W1", "W2", "W3")
+ALL_WORKLOADS = ("W1", "W2", "W3")  # the default set
+KNOWN_WORKLOADS = (*ALL_WORKLOADS, "P1024")  # what --workloads accepts
 
 # SmolLM2-135M's shape (Llama architecture), random weights.
 SMOLLM2_135M: dict[str, Any] = {
@@ -192,6 +196,8 @@ def make_workloads(
             prefix = ids(scaled(192, scale, 32))
             prompts = [prefix + ids(16) for _ in range(n)]
             out[name] = Workload(name, prompts, [scaled(32, scale, 4)] * n, len(prefix))
+        elif name == "P1024":
+            out[name] = Workload(name, [ids(scaled(1024, scale, 16))], [1])
         else:
-            raise ValueError(f"Unknown workload {name!r}; choose from {ALL_WORKLOADS}.")
+            raise ValueError(f"Unknown workload {name!r}; choose from {KNOWN_WORKLOADS}.")
     return out
