@@ -91,3 +91,25 @@ def test_bench_shape_smoke_run(
     assert load["weights_bytes"] > 0 and load["resident_over_planned"] > 0
     table = capsys.readouterr().out
     assert "start->ready s" in table and "peak/RSS" in table
+
+
+def test_p1024_is_one_1024_token_prompt_with_one_output_token() -> None:
+    from nbengine.bench.workloads import make_workloads
+
+    wl = make_workloads(("P1024",), vocab=1000)["P1024"]
+    assert len(wl.prompts) == 1 and len(wl.prompts[0]) == 1024
+    assert wl.output_lens == [1]
+    assert all(3 <= t < 1000 for t in wl.prompts[0])
+    # Only on request: the default workloads stay W1, W2, W3.
+    assert BenchConfig().workloads == ("W1", "W2", "W3")
+
+
+def test_bench_p1024_reports_ttft(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(SHAPES, "tiny-test", TINY)
+    monkeypatch.setenv("NBENGINE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "report.json"
+    argv = ["bench", "--shape", "tiny-test", "--engines", "nbengine", "--workloads", "P1024"]
+    assert main([*argv, "--quick", "--no-abort", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    run = report["results"]["P1024"]["nbengine"]
+    assert "error" not in run and run["ttft_p50_ms"] > 0

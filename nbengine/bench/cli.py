@@ -48,7 +48,11 @@ def add_bench_parser(
         help="random weights in this real model's dimensions, bfloat16, written once to "
         f"the cache (default without --model: {DEFAULT_SHAPE})",
     )
-    bench.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3,W4")
+    bench.add_argument(
+        "--workloads",
+        default="W1,W2,W3",
+        help="comma-separated: W1,W2,W3,W4 (P1024: TTFT of one 1024-token prompt, on request)",
+    )
     bench.add_argument(
         "--engines",
         default="nbengine,hf_static,hf_cb",

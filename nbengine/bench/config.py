@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbengine.bench.workloads import ALL_WORKLOADS, DEFAULT_SHAPE, SHAPES
+from nbengine.bench.workloads import DEFAULT_SHAPE, KNOWN_WORKLOADS, SHAPES
 
 __all__ = [
     "ALL_ENGINES",
@@ -109,8 +109,8 @@ class BenchConfig:
         if self.shape not in SHAPES:
             raise ValueError(f"shape must be one of {tuple(SHAPES)}, got {self.shape!r}.")
         for w in self.workloads:
-            if w not in ALL_WORKLOADS:
-                raise ValueError(f"Unknown workload {w!r}; choose from {ALL_WORKLOADS}.")
+            if w not in KNOWN_WORKLOADS:
+                raise ValueError(f"Unknown workload {w!r}; choose from {KNOWN_WORKLOADS}.")
         for e in self.engines:
             if e not in ALL_ENGINES:
                 raise ValueError(f"Unknown engine {e!r}; choose from {ALL_ENGINES}.")

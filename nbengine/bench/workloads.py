@@ -17,6 +17,8 @@
     write and asking for it again), 128 output tokens. Built from the model because a
     model copies only text it would write itself: random-weight models do not copy
     random token ids, so a random-id passage gave drafts nothing to accept.
+  - P1024 (on request only, ``--workloads P1024``): one 1024-token prompt, one output
+    token: time to first token of a long prompt (prefill).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 __all__ = [
     "ALL_WORKLOADS",
     "DEFAULT_SHAPE",
+    "KNOWN_WORKLOADS",
     "SHAPES",
     "SMOLLM2_135M",
     "Workload",
@@ -44,7 +47,8 @@ __all__ = [
     "scaled",
 ]
 
-ALL_WORKLOADS = ("W1", "W2", "W3", "W4")
+ALL_WORKLOADS = ("W1", "W2", "W3", "W4")  # the bench's workloads (W1-W3 by default)
+KNOWN_WORKLOADS = (*ALL_WORKLOADS, "P1024")  # what --workloads accepts
 
 # SmolLM2-135M's shape (Llama architecture), random weights.
 SMOLLM2_135M: dict[str, Any] = {
@@ -268,8 +272,10 @@ def make_workloads(
             cue = ids(scaled(16, scale, 4))
             passage = continuation(cue, scaled(96, scale, 16))
             out[name] = Workload(name, [cue + passage + cue], [scaled(128, scale, 8)])
+        elif name == "P1024":
+            out[name] = Workload(name, [ids(scaled(1024, scale, 16))], [1])
         else:
-            raise ValueError(f"Unknown workload {name!r}; choose from {ALL_WORKLOADS}.")
+            raise ValueError(f"Unknown workload {name!r}; choose from {KNOWN_WORKLOADS}.")
     return out
 
 
