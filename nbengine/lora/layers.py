@@ -39,8 +39,13 @@ import torch
 from torch import nn
 
 from nbengine.lora.adapter import AdapterWeights
+from nbengine.ops import native
 
-__all__ = ["LoRALayers"]
+__all__ = ["NATIVE_MAX_ROWS", "LoRALayers"]
+
+# Steps with up to this many adapter rows take the native kernel on a bfloat16 base (one
+# call per hooked linear); above it, the batched matmuls (module docstring, "Native").
+NATIVE_MAX_ROWS = 128
 
 
 class _Source(Protocol):
@@ -67,10 +72,23 @@ class _Target:
     # The factors of every adapter this layer has, batched for ``bmm`` (see ``batched``);
     # rebuilt lazily after add / remove.
     _batched: dict[torch.dtype, _Batched] = field(default_factory=dict)
+    # The same for the native kernel: A as [n, R, in], B as [n, R, out], float32.
+    _native: _Batched | None = None
 
     def changed(self) -> None:
         """Forget the batched factors (an adapter of this layer was added or removed)."""
         self._batched = {}
+        self._native = None
+
+    def native(self) -> _Batched | None:
+        """This layer's factors as the native kernel reads them (``nb_lora_bf16``): float32,
+        ``a`` ``[n, R, in]`` and ``b`` ``[n, R, out]``, contiguous; None without adapters."""
+        if self._native is None:
+            got = self.batched(torch.float32, torch.device("cpu"))
+            if got is None:
+                return None
+            self._native = _Batched(got.ids, got.a.transpose(1, 2).contiguous(), got.b)
+        return self._native
 
     def batched(self, dtype: torch.dtype, device: torch.device) -> _Batched | None:
         """This layer's adapters' factors as ``[n, in, R]`` and ``[n, R, out]`` in ``dtype``
@@ -123,6 +141,16 @@ class LoRALayers:
         # the adapter set of a layer (begin_step, _groups).
         self._rows: dict[int, list[int]] | None = None
         self._grouped: dict[tuple[int, ...], _Groups | None] = {}
+        # The native path of the step (begin_step): the step's row count when it may run
+        # (CPU, at most NATIVE_MAX_ROWS adapter rows), else 0; and each adapter set's slot
+        # per row (int32, -1: base row), built once per step (_slots).
+        self._native_rows = 0
+        self._native_threads = 1
+        self._slots_of: dict[tuple[int, ...], torch.Tensor] = {}
+        # The native kernels, looked up on the first bfloat16 delta (a float32 model never
+        # builds them; _looked_up says whether that happened).
+        self._kernels: native.NativeKernels | None = None
+        self._looked_up = False
         self._targets: list[_Target] = []
         self._by_module: dict[str, _Target] = {}
         self.adapters: dict[int, AdapterWeights] = {}
@@ -219,6 +247,7 @@ class LoRALayers:
         """Note the step's rows' adapters; ``spans`` is ``(adapter id, rows)`` per chunk
         in row order (id 0: the base model). True when any row has an adapter."""
         self._grouped = {}
+        self._slots_of = {}
         rows: dict[int, list[int]] = {}
         row = 0
         for int_id, n in spans:
@@ -226,12 +255,18 @@ class LoRALayers:
                 rows.setdefault(int_id, []).extend(range(row, row + n))
             row += n
         self._rows = rows or None
+        adapter_rows = sum(len(r) for r in rows.values())
+        self._native_rows = (
+            row if self.device.type == "cpu" and adapter_rows <= NATIVE_MAX_ROWS else 0
+        )
+        self._native_threads = 1 if adapter_rows < native.SMALL_ROWS else torch.get_num_threads()
         return self._rows is not None
 
     def end_step(self) -> None:
         """Forget the step's rows (every later forward runs the base model only)."""
         self._rows = None
         self._grouped = {}
+        self._slots_of = {}
 
     def _groups(self, batched: _Batched) -> _Groups | None:
         """The step's rows grouped by the adapters in ``batched`` (None: no such rows)."""
@@ -261,9 +296,28 @@ class LoRALayers:
         self._grouped[batched.ids] = groups
         return groups
 
+    def _slots(self, ids: tuple[int, ...]) -> torch.Tensor:
+        """The slot in ``ids`` of each of the step's rows (int32; -1: no adapter of these)."""
+        got = self._slots_of.get(ids)
+        if got is None:
+            assert self._rows is not None
+            got = torch.full((self._native_rows,), -1, dtype=torch.int32)
+            for slot, i in enumerate(ids):
+                if i in self._rows:
+                    got[self._rows[i]] = slot
+            self._slots_of[ids] = got
+        return got
+
+    def _native_kernels(self) -> native.NativeKernels | None:
+        if not self._looked_up:
+            self._kernels, self._looked_up = native.kernels(), True
+        return self._kernels
+
     # ------------------------------------------------------------------ the hook
     def _delta(self, target: _Target, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the step's adapter rows' deltas to ``out`` (module docstring)."""
+        if self._native_delta(target, x, out):
+            return
         batched = target.batched(x.dtype, x.device)
         if batched is None:
             return
@@ -279,6 +333,34 @@ class LoRALayers:
             xs.index_fill_(0, groups.pad, 0)  # padding rows: exact zero deltas
         y = torch.bmm(torch.bmm(xs.view(groups.k, groups.g, -1), a.to(xs.dtype)), b.to(xs.dtype))
         out2.index_add_(0, groups.gather, y.view(-1, out2.shape[-1]).to(out2.dtype))
+
+    def _native_delta(self, target: _Target, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """The delta by the native kernel, one call (module docstring, "Native"); False
+        (nothing done) where it does not apply: a float32 base, no kernels, a large step."""
+        rows = self._native_rows
+        if (
+            not rows
+            or x.dtype != torch.bfloat16
+            or out.dtype != torch.bfloat16
+            or not x.is_contiguous()
+            or not out.is_contiguous()
+            or x.numel() != rows * target.in_features
+            or out.numel() != rows * target.out_features
+        ):
+            return False
+        kernels = self._native_kernels()
+        factors = target.native()
+        if kernels is None or factors is None:
+            return False
+        kernels.lora_(
+            x.view(rows, -1),
+            out.view(rows, -1),
+            self._slots(factors.ids),
+            factors.a,
+            factors.b,
+            self._native_threads,
+        )
+        return True
 
     def _install(self, module: nn.Module, target: _Target) -> None:
         base: Callable[..., torch.Tensor] = module.forward

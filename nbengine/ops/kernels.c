@@ -715,6 +715,114 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
     for (int64_t n = 0; n < N; n++) out[n] = nb_argmax_row(x + n * V, V);
 }
 
+/* ---- LoRA deltas: y[r] += B_s (A_s x[r]) for the adapter slot s = slot[r] of each row ---
+ *
+ * x bf16 [M, K], y bf16 [M, N] updated in place; A float32 [S, R, K] (each slot's shrink,
+ * rank zero-padded to R), B float32 [S, R, N] (each slot's expand transposed, the scale
+ * folded in); slot int32 [M], -1 for a row without adapter (left untouched). The shrink
+ * h = A_s x (R dot products over K) and the expand y += B_s^T h (16 outputs per vector)
+ * are float32, and y is rounded to bf16 once (nbengine/lora/layers.py is the caller; its
+ * bmm path the reference). Rows are sorted by slot and taken up to four of one slot at a
+ * time, so that every load of the factors feeds four rows (4 adapters of rank 48 are over
+ * a MiB: they stream from L3). One call does a whole hooked linear, so a decode step pays
+ * one call per hook instead of a few torch ops; with nthreads > 1 the tiles of rows are
+ * split between threads. Returns 0, or -1 (and changes nothing) if a slot is outside
+ * -1 .. S-1. */
+static void nb_lora_tile(const uint16_t *x, uint16_t *y, const int32_t *rows, int nr,
+                         const float *a, const float *b, int64_t K, int64_t N, int64_t R,
+                         float *h /* [4, R] */, float *xf /* [4, K] */) {
+    /* the rows as float32, once (padding: the last row repeated) */
+    for (int i = 0; i < 4; i++) {
+        const uint16_t *xr = x + rows[i < nr ? i : nr - 1] * K;
+        for (int64_t k = 0; k < K; k += 16) {
+            const __mmask16 mk = nb_mask(K - k);
+            _mm512_mask_storeu_ps(xf + i * K + k, mk, nb_load16(xr + k, mk));
+        }
+    }
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) {  /* two ranks by four rows: eight independent sums */
+        const float *a0 = a + r * K, *a1 = a0 + K;
+        __m512 acc[2][4];
+        for (int j = 0; j < 2; j++)
+            for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            const __mmask16 mk = nb_mask(K - k);
+            const __m512 v0 = _mm512_maskz_loadu_ps(mk, a0 + k), v1 = _mm512_maskz_loadu_ps(mk, a1 + k);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m512 xv = _mm512_maskz_loadu_ps(mk, xf + i * K + k);
+                acc[0][i] = _mm512_fmadd_ps(v0, xv, acc[0][i]);
+                acc[1][i] = _mm512_fmadd_ps(v1, xv, acc[1][i]);
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            h[i * R + r] = _mm512_reduce_add_ps(acc[0][i]);
+            h[i * R + r + 1] = _mm512_reduce_add_ps(acc[1][i]);
+        }
+    }
+    for (; r < R; r++) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        for (int64_t k = 0; k < K; k += 16) {
+            const __mmask16 mk = nb_mask(K - k);
+            const __m512 av = _mm512_maskz_loadu_ps(mk, a + r * K + k);
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(mk, xf + i * K + k), acc[i]);
+        }
+        for (int i = 0; i < 4; i++) h[i * R + r] = _mm512_reduce_add_ps(acc[i]);
+    }
+    uint16_t *yr[4];
+    for (int i = 0; i < 4; i++) yr[i] = y + rows[i < nr ? i : nr - 1] * N;
+    for (int64_t n = 0; n < N; n += 16) {
+        const __mmask16 mk = nb_mask(N - n);
+        __m512 acc[4];
+        for (int i = 0; i < 4; i++) acc[i] = nb_load16(yr[i] + n, mk);
+        for (int64_t j = 0; j < R; j++) {
+            const __m512 bv = _mm512_maskz_loadu_ps(mk, b + j * N + n);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) acc[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(h[i * R + j]), acc[i]);
+        }
+        for (int i = 0; i < nr; i++) nb_store16_bf16(yr[i] + n, mk, acc[i]);  /* padding: not stored */
+    }
+}
+
+int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const float *A,
+                 const float *B, int64_t M, int64_t K, int64_t N, int64_t S, int64_t R,
+                 int nthreads) {
+    for (int64_t m = 0; m < M; m++)
+        if (slot[m] < -1 || slot[m] >= S) return -1;
+    if (M == 0 || R == 0) return 0;
+    /* rows with an adapter, by slot (a counting sort), then tiles of <= 4 rows of one slot */
+    int32_t *order = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
+    int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M + S));  /* first of each */
+    int64_t used = 0, ntiles = 0;
+    for (int64_t s = 0; s < S; s++) {
+        int64_t in_slot = 0;
+        for (int64_t m = 0; m < M; m++)
+            if (slot[m] == s) {
+                if (in_slot++ % 4 == 0) tiles[ntiles++] = used;
+                order[used++] = (int32_t)m;
+            }
+    }
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && ntiles > 1)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * (R + K)));  /* h, then x */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            const int64_t first = tiles[t];
+            const int32_t s = slot[order[first]];
+            int nr = 1;
+            while (nr < 4 && first + nr < used && slot[order[first + nr]] == s) nr++;
+            nb_lora_tile(x, y, order + first, nr, A + (int64_t)s * R * K,
+                         B + (int64_t)s * R * N, K, N, R, buf, buf + 4 * R);
+        }
+        free(buf);
+    }
+    free(order);
+    free(tiles);
+    return 0;
+}
+
 /* ---- Weight-only quantized linears: y[M, N] = x[M, K] @ dequant(W)^T (+ bias) ----------
  *
  * The weights stay quantized in memory and are dequantized in registers (ops/quant.py

@@ -74,6 +74,7 @@ _SIGNATURES: dict[str, list[type]] = {
     ],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _P, _P],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
+    "nb_lora_bf16": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
     "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
@@ -101,6 +102,8 @@ class NativeKernels:
         self._cached_attention = lib.nb_cached_attention_bf16
         self._rope_attention = lib.nb_rope_attention_bf16
         self._argmax = lib.nb_argmax_f32
+        self._lora = lib.nb_lora_bf16
+        self._lora.restype = ctypes.c_int
         self._linear_q8 = lib.nb_linear_q8
         self._linear_q4 = lib.nb_linear_q4
         self._dequantize = lib.nb_dequantize_bf16
@@ -384,6 +387,55 @@ class NativeKernels:
         out = torch.empty(n, dtype=torch.int64)
         self._argmax(x.data_ptr(), n, v, out.data_ptr(), self._threads(n))
         return out.tolist()
+
+    def lora_(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        slots: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        num_threads: int = 1,
+    ) -> None:
+        """``out[r] += b[s].T @ (a[s] @ x[r])`` for ``s = slots[r] >= 0``, in place.
+
+        ``x`` bfloat16 ``[M, K]``, ``out`` bfloat16 ``[M, N]``, ``slots`` int32 ``[M]``
+        (-1: the row is left as it is), ``a`` float32 ``[S, R, K]``, ``b`` float32
+        ``[S, R, N]``, all contiguous; the sums are float32 and ``out`` is rounded to
+        bfloat16 once. Raises ValueError on shapes, dtypes or slots that do not fit (the
+        kernel reads no memory outside its arguments).
+        """
+        m, k = x.shape
+        s, r, n = b.shape
+        if not (
+            x.dtype == out.dtype == torch.bfloat16
+            and a.dtype == b.dtype == torch.float32
+            and slots.dtype == torch.int32
+            and out.shape == (m, n)
+            and a.shape == (s, r, k)
+            and slots.shape == (m,)
+            and all(t.is_contiguous() for t in (x, out, slots, a, b))
+        ):
+            raise ValueError(
+                f"lora_: x {tuple(x.shape)} {x.dtype}, out {tuple(out.shape)} {out.dtype}, "
+                f"slots {tuple(slots.shape)} {slots.dtype}, a {tuple(a.shape)} {a.dtype}, "
+                f"b {tuple(b.shape)} {b.dtype} do not fit (see the docstring)."
+            )
+        status = self._lora(
+            x.data_ptr(),
+            out.data_ptr(),
+            slots.data_ptr(),
+            a.data_ptr(),
+            b.data_ptr(),
+            m,
+            k,
+            n,
+            s,
+            r,
+            num_threads,
+        )
+        if status:
+            raise ValueError(f"lora_: slots holds a slot outside -1 .. {s - 1}; out is unchanged.")
 
     @staticmethod
     def cached_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
