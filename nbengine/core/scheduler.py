@@ -420,16 +420,7 @@ class Scheduler:
                 sampled = result.sampled.get(rid)
                 if sampled is None:
                     raise RuntimeError(f"model runner returned no token for request {rid!r}")
-                request.append_output_token(sampled.token_id)
-                if request.grammar is not None:
-                    # The grammar engine failed (a step over its limits), or a logits
-                    # processor unmasked a token the grammar rejects: the request fails.
-                    failure = request.grammar.consume(sampled.token_id)
-                    if failure is not None:
-                        request.error = f"structured outputs: {failure}"
-                out.new_token_ids.append(sampled.token_id)
-                if sampled.logprobs is not None:
-                    out.new_logprobs = [sampled.logprobs]
+                self._append_sampled(request, sampled, out)
                 status = self._check_stop(request)
                 if request.error is not None:  # its own logits processor failed
                     status = RequestStatus.FINISHED_ERROR
@@ -481,9 +472,11 @@ class Scheduler:
 
     @staticmethod
     def _append_sampled(request: Request, sampled: SampledToken, out: EngineCoreOutput) -> None:
-        """Append one verified token to ``request`` and its output (and feed its grammar)."""
+        """Append one sampled token to ``request`` and its output (and feed its grammar)."""
         request.append_output_token(sampled.token_id)
         if request.grammar is not None:
+            # The grammar engine failed (a step over its limits), or a logits processor
+            # unmasked a token the grammar rejects: the request fails.
             failure = request.grammar.consume(sampled.token_id)
             if failure is not None:
                 request.error = f"structured outputs: {failure}"
