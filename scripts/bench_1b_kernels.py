@@ -8,7 +8,6 @@ gate_up: 17 MiB) read faster than from memory; compare rows of many inputs, not 
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 
@@ -39,23 +38,12 @@ def best_ms(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, reps: in
 
 def main() -> None:
     """Print one line per shape and row count: each precision's time and its speed vs bf16."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--rows", type=str, default="", help="comma-separated row counts for every shape"
-    )
-    parser.add_argument("--shapes", type=str, default="", help="comma-separated shape prefixes")
-    args = parser.parse_args()
-    rows = [int(r) for r in args.rows.split(",") if r]
-    prefixes = [p for p in args.shapes.split(",") if p]
     torch.manual_seed(0)
     torch.set_num_threads(2)
     kernels = native.kernels()
     if kernels is None:
         raise SystemExit("the native kernels are unavailable on this machine (ops/native.py)")
     for name, (n, k, row_counts) in SHAPES.items():
-        if prefixes and not any(name.startswith(p) for p in prefixes):
-            continue
-        row_counts = rows or row_counts
         lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
         mods: dict[str, nn.Module] = {
             "bf16": NativeLinear(lin, kernels),

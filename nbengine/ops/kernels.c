@@ -861,18 +861,13 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const floa
  * Either way each weight row is read once for all M rows, four output rows together,
  * and each row's result depends on that row alone, whatever M is.
  *
- * int8 or int4, many rows (batched decode, prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
+ * int8 or int4, many rows (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
  * features at a time to bfloat16 in the VNNI layout of nb_linear_bf16, into a buffer of
  * 64 x K values, and runs the bf16 tile kernel on it for every row: the full bf16 weight
  * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's)
- * and x as it is. The dequantize is vectorized (16 features at a time, then 16 x 16
- * transposes into the layout); with it the tiles beat both row kernels from 32 rows on
- * at Llama-3.2-1B's shapes (scripts/bench_1b_tile_rows.py, docs/benchmarks.md "At the 1B
- * shape"), hence NB_Q_TILE_ROWS 32.
+ * and x as it is.
  */
-#ifndef NB_Q_TILE_ROWS  /* -D for scripts/bench_1b_tile_rows.py's A/B builds only */
-#define NB_Q_TILE_ROWS 32  /* int8 and int4; ops/quant.py TILE_ROWS */
-#endif
+#define NB_Q_TILE_ROWS 128  /* int8 and int4 */
 /* The row kernels below walk four output rows at a time (four short streams, which the
  * hardware prefetcher follows poorly), so they prefetch the block of four rows this many
  * blocks ahead, linearly, while computing the current one. Same A/B as NB_PREFETCH_BYTES,
@@ -1130,63 +1125,22 @@ static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_
     }
 }
 
-/* Transpose 16 x 16 32-bit values in place: r[i] lane j becomes r[j] lane i. */
-static inline void nb_transpose16_epi32(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {  /* pairs of rows, interleaved per 128-bit lane */
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int g = 0; g < 16; g += 4) {  /* u[g + c] lane L: rows g .. g + 3 of column 4 L + c */
-        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-    }
-    for (int c = 0; c < 4; c++) {  /* column 4 L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
-        const __m512i vlo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-        const __m512i vhi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i wlo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-        const __m512i whi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(vlo, wlo, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(vlo, wlo, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(vhi, whi, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(vhi, whi, 0xDD);
-    }
-}
-
-/* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout
- * (buf[p][j]: the 32-bit pair (2p, 2p + 1) of feature j). Sixteen features at a time are
- * dequantized (vectorized, nb_q_dequant_row) into `rows` (16 x Kp values, 64-byte aligned
- * rows) and their pairs placed by 16 x 16 transposes; pairs past the last multiple of 16
- * are placed one by one. */
+/* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout: each
+ * row into `row` (Kp values), then its (2p, 2p + 1) pairs are placed. */
 static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64_t N, int64_t K,
-                              int64_t Kp, int64_t G, int64_t t, uint16_t *buf, uint16_t *rows) {
+                              int64_t Kp, int64_t G, int64_t t, uint16_t *buf, uint16_t *row) {
     uint32_t *b32 = (uint32_t *)buf;
-    const int64_t P = K / 2, P16 = P / 16 * 16, stride = (Kp + 31) / 32 * 32; /* stride: in bf16 */
-    for (int64_t j0 = 0; j0 < NB_TILE; j0 += 16) {
-        for (int64_t i = 0; i < 16; i++) {
-            const int64_t n = t * NB_TILE + j0 + i;
-            if (n < N)
-                nb_q_dequant_row(bits, w, scales, Kp, G, n, rows + i * stride);
-            else
-                memset(rows + i * stride, 0, (size_t)(Kp * 2));
+    const uint32_t *r32 = (const uint32_t *)row;
+    for (int64_t j = 0; j < NB_TILE; j++) {
+        const int64_t n = t * NB_TILE + j;
+        if (n >= N) {
+            for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = 0;
+            continue;
         }
-        const uint32_t *r32 = (const uint32_t *)rows;
-        const int64_t s32 = stride / 2;
-        for (int64_t p = 0; p < P16; p += 16) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const void *)(r32 + i * s32 + p));
-            nb_transpose16_epi32(r);
-            for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(b32 + (p + i) * NB_TILE + j0), r[i]);
-        }
-        for (int64_t p = P16; p < P; p++)
-            for (int64_t i = 0; i < 16; i++) b32[p * NB_TILE + j0 + i] = r32[i * s32 + p];
+        nb_q_dequant_row(bits, w, scales, Kp, G, n, row);
+        for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = r32[p];
     }
 }
-
-/* Bytes of the `rows` buffer nb_q_dequant_tile needs. */
-static size_t nb_q_tile_rows_bytes(int64_t Kp) { return (size_t)(16 * ((Kp + 31) / 32 * 32) * 2); }
 
 /* Rows [n0, n1) of the weight dequantized to a plain bf16 matrix out [n1 - n0, K]: what
  * products of many rows multiply (ops/quant.py, QuantLinear: in oneDNN on AMX CPUs). */
@@ -1224,7 +1178,7 @@ static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *
 #pragma omp parallel num_threads(nthreads)
         {
             uint16_t *buf = (uint16_t *)aligned_alloc(64, (size_t)(K * NB_TILE * 2));
-            uint16_t *row = (uint16_t *)aligned_alloc(64, nb_q_tile_rows_bytes(Kp));
+            uint16_t *row = (uint16_t *)aligned_alloc(64, (size_t)((Kp * 2 + 63) / 64 * 64));
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < ntiles; t++) {
                 nb_q_dequant_tile(bits, w, scales, N, K, Kp, G, t, buf, row);

@@ -30,7 +30,7 @@ Products, as the kernels compute them (bfloat16 inputs):
   integer sums, scaled by the group's two scales afterwards: one VNNI instruction per 64
   products, which keeps int4 decode at memory speed where int16 inputs left it
   compute bound (docs/quantization.md, "Kernels").
-- int8 and int4 from ``TILE_ROWS`` rows on (batched decode, prefill): the weights are dequantized to
+- int8 and int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to
   bfloat16 one tile at a time and multiplied as a bfloat16 model's weights are (the int8
   row kernel ran at 0.2-0.6x bf16's speed there: docs/benchmarks.md, "At the 1B shape").
 - On CPUs where bfloat16 linears carry a oneDNN twin (AMX: ops/linear.py), products of
@@ -65,7 +65,7 @@ _REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
 # From this many input rows on (and with an even K), the native kernels (int8 and int4)
 # multiply by the weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in
 # ops/kernels.c); the reference rounds them the same way there.
-TILE_ROWS = 32
+TILE_ROWS = 128
 
 
 # bfloat16 bytes of weight the dense path (module docstring) dequantizes at a time: a

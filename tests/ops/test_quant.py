@@ -137,7 +137,7 @@ def test_float32_model_uses_reference_and_stays_close_to_full_precision() -> Non
 
 
 @pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 17, 31, 32, 33, 127, 128, 130])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 17, 127, 128, 130])
 # K = 4100: past the int8 kernel's int32 flush every 2048 inputs, with a tail.
 @pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (130, 96), (5, 77), (200, 576), (9, 4100)])
 @pytest.mark.required
