@@ -844,10 +844,8 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const floa
  * float32: y = sx * scale[n] * sum_k q xq (int32 lanes flushed to float32 every 2048
  * inputs, before they could overflow). Per 32 weights that is one widening load and one
  * vpdpwssd, few enough that one core streams weights at memory speed. (Measured on one
- * thread, loaded machine, the bench model's shape: as fast as the bf16 kernel up to 512
- * rows; at Llama-3.2-1B's shapes, two threads, it ran at 0.2-0.6x bf16 from 16 rows on,
- * docs/benchmarks.md "At the 1B shape", so from NB_Q_TILE_ROWS rows int8 takes the
- * dequantized tiles below, as int4 does.)
+ * thread, loaded machine: int8 this way is as fast as the bf16 kernel on its own
+ * weights up to 512 rows, so it has no other path.)
  *
  * Rows of x, int4 weights below NB_Q_TILE_ROWS rows: each group of G inputs is scaled to
  * int8 on its own (x8 = round(x * 127 / max|x| over the group), sx_g = max / 127), and
@@ -861,13 +859,13 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const floa
  * Either way each weight row is read once for all M rows, four output rows together,
  * and each row's result depends on that row alone, whatever M is.
  *
- * int8 or int4, many rows (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
+ * int4, many rows (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
  * features at a time to bfloat16 in the VNNI layout of nb_linear_bf16, into a buffer of
  * 64 x K values, and runs the bf16 tile kernel on it for every row: the full bf16 weight
  * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's)
  * and x as it is.
  */
-#define NB_Q_TILE_ROWS 128  /* int8 and int4 */
+#define NB_Q_TILE_ROWS 128  /* int4 only */
 /* The row kernels below walk four output rows at a time (four short streams, which the
  * hardware prefetcher follows poorly), so they prefetch the block of four rows this many
  * blocks ahead, linearly, while computing the current one. Same A/B as NB_PREFETCH_BYTES,
@@ -1173,7 +1171,7 @@ static inline void nb_q_block(int bits, const nb_qx *in, const void *w, const vo
 static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
                         const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
                         int64_t Kp, int64_t G, int out_f32, int nthreads) {
-    if (M >= NB_Q_TILE_ROWS && K % 2 == 0) {  /* both formats: docs/benchmarks.md, "At the 1B shape" */
+    if (bits == 4 && M >= NB_Q_TILE_ROWS && K % 2 == 0) {
         const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE, mtiles = (M + 3) / 4;
 #pragma omp parallel num_threads(nthreads)
         {

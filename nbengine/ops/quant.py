@@ -30,9 +30,8 @@ Products, as the kernels compute them (bfloat16 inputs):
   integer sums, scaled by the group's two scales afterwards: one VNNI instruction per 64
   products, which keeps int4 decode at memory speed where int16 inputs left it
   compute bound (docs/quantization.md, "Kernels").
-- int8 and int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to
-  bfloat16 one tile at a time and multiplied as a bfloat16 model's weights are (the int8
-  row kernel ran at 0.2-0.6x bf16's speed there: docs/benchmarks.md, "At the 1B shape").
+- int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to bfloat16 one
+  tile at a time and multiplied as a bfloat16 model's weights are.
 - On CPUs where bfloat16 linears carry a oneDNN twin (AMX: ops/linear.py), products of
   ``ONEDNN_MIN_ROWS`` rows or more (prefill, large decode batches) take neither: the
   weight is dequantized to bfloat16 (``_DENSE_TILE_BYTES`` at a time) and multiplied in
@@ -62,9 +61,9 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_MODES: dict[str, int | None] = {"int8": None, "int4": 64, "int4-g32": 32}
 _INT8_ALIGN = 32
 _REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
-# From this many input rows on (and with an even K), the native kernels (int8 and int4)
-# multiply by the weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in
-# ops/kernels.c); the reference rounds them the same way there.
+# From this many input rows on (and with an even K), the native int4 kernel multiplies by
+# the weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in ops/kernels.c); the
+# reference rounds them the same way there. int8 never does.
 TILE_ROWS = 128
 
 
@@ -230,9 +229,8 @@ def linear_quantized_reference(
 
     ``out_dtype`` None: the dtype of ``x``. Dequantizes ``_REF_ROWS`` output rows at a time.
     bfloat16 ``x`` is multiplied as the kernels do (module docstring), with exact sums:
-    scaled to int16 per row (int8 below ``TILE_ROWS`` rows), to int8 per group (int4 below
-    ``TILE_ROWS`` rows), or by the weights rounded to bfloat16 (from ``TILE_ROWS`` rows on,
-    even K; any
+    scaled to int16 per row (int8), to int8 per group (int4 below ``TILE_ROWS`` rows), or
+    by the weights rounded to bfloat16 (int4 from ``TILE_ROWS`` rows on, even K; any
     mode from ``dense_rows`` rows on, the dense path's threshold where it runs).
     """
     lead = x.shape[:-1]
@@ -242,7 +240,7 @@ def linear_quantized_reference(
     bf16 = x.dtype == torch.bfloat16
     rows = xf.shape[0]
     tiled = bf16 and (
-        (rows >= TILE_ROWS and in_features % 2 == 0)
+        (group_size is not None and rows >= TILE_ROWS and in_features % 2 == 0)
         or (dense_rows is not None and rows >= dense_rows)
     )
     x_int16 = bf16 and group_size is None and not tiled
