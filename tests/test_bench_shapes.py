@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,15 +65,20 @@ def test_unknown_shape_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_bench_shape_smoke_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _tiny_bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: str) -> Any:
+    """The JSON report of a quick nbengine-only bench of ``workload`` on the TINY shape."""
     monkeypatch.setitem(SHAPES, "tiny-test", TINY)
     monkeypatch.setenv("NBENGINE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "report.json"
-    argv = ["bench", "--shape", "tiny-test", "--engines", "nbengine", "--workloads", "W2"]
+    argv = ["bench", "--shape", "tiny-test", "--engines", "nbengine", "--workloads", workload]
     assert main([*argv, "--quick", "--no-abort", "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_bench_shape_smoke_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = _tiny_bench(tmp_path, monkeypatch, "W2")
     path = Path(report["config"]["model_dir"])
     assert report["config"]["shape"] == "tiny-test"
     assert path == bench_model_dir(tmp_path / "cache" / "bench", "tiny-test")
@@ -105,11 +111,6 @@ def test_p1024_is_one_1024_token_prompt_with_one_output_token() -> None:
 
 
 def test_bench_p1024_reports_ttft(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(SHAPES, "tiny-test", TINY)
-    monkeypatch.setenv("NBENGINE_CACHE", str(tmp_path / "cache"))
-    out = tmp_path / "report.json"
-    argv = ["bench", "--shape", "tiny-test", "--engines", "nbengine", "--workloads", "P1024"]
-    assert main([*argv, "--quick", "--no-abort", "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
+    report = _tiny_bench(tmp_path, monkeypatch, "P1024")
     run = report["results"]["P1024"]["nbengine"]
     assert "error" not in run and run["ttft_p50_ms"] > 0
