@@ -220,13 +220,24 @@ class NativeKernels:
         in_features: int,
         group_size: int | None,
         rows: tuple[int, int] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Output rows ``[n0, n1)`` (default: all) of a weight quantized by ops/quant.py as
         a bfloat16 ``[n1 - n0, in_features]`` matrix (the values of ``dequantize`` there,
-        rounded to bfloat16)."""
+        rounded to bfloat16), written into ``out`` if given (contiguous, that shape)."""
         n0, n1 = rows if rows is not None else (0, qweight.shape[0])
         kp = qweight.shape[1] if group_size is None else 2 * qweight.shape[1]
-        out = torch.empty(n1 - n0, in_features, dtype=torch.bfloat16)
+        if out is None:
+            out = torch.empty(n1 - n0, in_features, dtype=torch.bfloat16)
+        elif (
+            out.shape != (n1 - n0, in_features)
+            or out.dtype != torch.bfloat16
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"out must be a contiguous bfloat16 [{n1 - n0}, {in_features}] tensor, "
+                f"got {out.dtype} {tuple(out.shape)}."
+            )
         self._dequantize(
             8 if group_size is None else 4,
             qweight.data_ptr(),

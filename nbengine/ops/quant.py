@@ -33,11 +33,11 @@ Products, as the kernels compute them (bfloat16 inputs):
 - int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to bfloat16 one
   tile at a time and multiplied as a bfloat16 model's weights are.
 - On CPUs where bfloat16 linears carry a oneDNN twin (AMX: ops/linear.py), products of
-  ``ONEDNN_MIN_ROWS`` rows or more (prefill, large decode batches) take neither: the
-  weight is dequantized to bfloat16 (``_DENSE_TILE_BYTES`` at a time) and multiplied in
-  oneDNN, whose AMX tiles run such products several times faster than the VNNI row
-  kernels (3072 x 576 at 512 rows: 2.7 against 14.9 ms, int8). Those products, too, see
-  the weights rounded to bfloat16.
+  ``DENSE_MIN_ROWS`` rows or more (prefill, large decode batches) take neither: the
+  weight is dequantized to bfloat16 (``_DENSE_TILE_BYTES`` at a time, into one buffer per
+  thread that is reused from call to call) and multiplied in oneDNN, whose AMX tiles run
+  such products several times faster than the VNNI row kernels (3072 x 576 at 512 rows:
+  2.7 against 14.9 ms, int8). Those products, too, see the weights rounded to bfloat16.
 
 float32 inputs (float32 models: the kernels are not used) are multiplied in float32.
 """
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbengine.ops import native
-from nbengine.ops.linear import ONEDNN_MIN_ROWS, onednn_twin_supported
+from nbengine.ops.linear import onednn_twin_supported
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,42 @@ TILE_ROWS = 128
 # layer of the default model's size at once, a large lm_head in slices.
 _DENSE_TILE_BYTES = 32 << 20
 
+# Products of this many rows or more take the dense path. Dequantizing costs the same
+# whatever the rows (a write of the bfloat16 weight, then oneDNN's own re-layout of it),
+# while the row kernels cost in proportion to the rows: on the Intel host (AMX, 2
+# threads, the Llama-3.2-1B shape's gate_up 16384 x 2048, down 2048 x 8192 and qkv
+# 3072 x 2048, 2026-12-02, load 6-9) the row kernels were faster up to 32 rows in every
+# shape and both modes and at 64 in all but int8 down (int8 gate_up 43 ms against 56 ms
+# dense, qkv 14 against 25), and slower from 128 on in all but int8 qkv (up to 2.3x).
+# Below it, decode steps stay on the decode plan too (model/runner.py).
+DENSE_MIN_ROWS = 96
+
+
+class _DenseScratch(threading.local):
+    """One bfloat16 buffer per thread for the dense path's dequantized weights.
+
+    A fresh buffer per product would be fresh memory each time (glibc maps allocations
+    this large anew and unmaps them on free), and first writes to fresh memory run at
+    0.2-1 GB/s on this project's VMs: the dequantization of a 1B model's weights then
+    took longer than the products. One buffer per thread, because engines in one process
+    run their steps on separate threads at once."""
+
+    buffer: torch.Tensor | None = None
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """A ``[rows, cols]`` bfloat16 view of this thread's buffer (grown as needed);
+        valid until the thread's next ``take``."""
+        need = rows * cols
+        if self.buffer is None or self.buffer.numel() < need:
+            self.buffer = torch.empty(need, dtype=torch.bfloat16)
+        return self.buffer[:need].view(rows, cols)
+
+
+_scratch = _DenseScratch()
+
 
 def dense_supported() -> bool:
-    """True when quantized products of ``ONEDNN_MIN_ROWS`` rows or more take the dense path
+    """True when quantized products of ``DENSE_MIN_ROWS`` rows or more take the dense path
     (dequantized bfloat16 weights in oneDNN): where bfloat16 linears get oneDNN twins."""
     return _native_enabled() and onednn_twin_supported(torch.bfloat16)
 
@@ -321,7 +355,7 @@ class QuantLinear(nn.Module):
         self._q, self._s, self._b = self.qweight, self.scales, self.bias
         # Products of this many rows or more take the dense path (module docstring).
         self.dense_rows = (
-            ONEDNN_MIN_ROWS if self._kernels is not None and dense_supported() else None
+            DENSE_MIN_ROWS if self._kernels is not None and dense_supported() else None
         )
 
     @property
@@ -356,18 +390,19 @@ class QuantLinear(nn.Module):
     def _dense(self, kernels: native.NativeKernels, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T (+ b)`` with ``W`` dequantized to bfloat16, in oneDNN (bfloat16 out)."""
         n, k, b = self.out_features, self.in_features, self._b
-        step = max(1, _DENSE_TILE_BYTES // (2 * k))
-        if n <= step:
-            return F.linear(x, kernels.dequantize(self._q, self._s, k, self.group_size), b)
-        parts = [
-            F.linear(
-                x,
-                kernels.dequantize(self._q, self._s, k, self.group_size, (n0, min(n, n0 + step))),
-                None if b is None else b[n0 : n0 + step],
+        step = min(n, max(1, _DENSE_TILE_BYTES // (2 * k)))
+        if n == step:
+            w = kernels.dequantize(self._q, self._s, k, self.group_size, out=_scratch.take(n, k))
+            return F.linear(x, w, b)
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            w = kernels.dequantize(
+                self._q, self._s, k, self.group_size, (n0, n1), out=_scratch.take(n1 - n0, k)
             )
-            for n0 in range(0, n, step)
-        ]
-        return torch.cat(parts, dim=1)
+            # The slice's product is done before the next slice overwrites the buffer.
+            y[:, n0:n1] = F.linear(x, w, None if b is None else b[n0:n1])
+        return y
 
     def extra_repr(self) -> str:
         path = "native" if self.is_native else "torch reference"

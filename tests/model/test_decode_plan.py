@@ -350,20 +350,24 @@ def test_quantized_large_steps_dequantize_into_onednn_and_small_ones_take_the_pl
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the dense path (AMX CPUs, ops/quant.py), quantized decode steps of
-    ONEDNN_MIN_ROWS rows or more take the module path, whose products dequantize the
+    DENSE_MIN_ROWS rows or more take the module path, whose products dequantize the
     weights into oneDNN; smaller steps stay on the plan's row kernels."""
     import nbengine.model.runner as runner
     from nbengine.ops import quant
-    from nbengine.ops.linear import ONEDNN_MIN_ROWS
 
     monkeypatch.setattr(quant, "dense_supported", lambda: True)
     monkeypatch.setattr(runner, "dense_supported", lambda: True)
+    # 20 rows count as many here (the real threshold is above this test's batch).
+    monkeypatch.setattr(quant, "DENSE_MIN_ROWS", 12)
+    monkeypatch.setattr(runner, "DENSE_MIN_ROWS", 12)
     dequantized: list[int] = []
     real = native.NativeKernels.dequantize
 
-    def spy(self: native.NativeKernels, qweight: torch.Tensor, *args: object) -> torch.Tensor:
+    def spy(
+        self: native.NativeKernels, qweight: torch.Tensor, *args: object, **kw: object
+    ) -> torch.Tensor:
         dequantized.append(qweight.shape[0])
-        return real(self, qweight, *args)  # type: ignore[arg-type]
+        return real(self, qweight, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(native.NativeKernels, "dequantize", spy)
     path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
@@ -371,14 +375,14 @@ def test_quantized_large_steps_dequantize_into_onednn_and_small_ones_take_the_pl
         EngineConfig.from_kwargs(path, dtype="bfloat16", quantization="int8", max_num_seqs=24),
         ModelRunner,
     )
-    assert core.runner.model.decode_plan_max_rows == ONEDNN_MIN_ROWS - 1
+    assert core.runner.model.decode_plan_max_rows == 12 - 1
     before_alone: list[int] = []
     rows_seen, produced = _twenty_then_alone(core, lambda: before_alone.append(len(dequantized)))
     assert produced == 20 * 6
     assert before_alone[0] > 0, "the 20-row steps dequantized weights for oneDNN"
     assert len(dequantized) == before_alone[0], "the lone request's steps did not"
     assert (20, False) in rows_seen and (1, True) in rows_seen
-    assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
+    assert all(used == (rows < 12) for rows, used in rows_seen)
 
 
 def test_plan_is_rebuilt_for_new_cache_tensors(tmp_path: Path) -> None:

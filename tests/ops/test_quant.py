@@ -230,6 +230,50 @@ def test_dense_path_for_many_rows(
     assert len(slices) == (1 if tile_bytes > 2 * 100 * 70 else 5)
 
 
+@pytest.mark.required
+@needs_native
+def test_dense_path_on_two_threads_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense path's dequantized weights live in a buffer reused from call to call:
+    two engines' core threads multiplying at once (different layers, different slices)
+    still get each their own layer's product, equal to the same call made alone."""
+    import threading
+
+    from nbengine.ops import quant
+
+    monkeypatch.setattr(quant, "_DENSE_TILE_BYTES", 2 * 96 * 16)  # slices of 16 rows
+    layers = [QuantLinear(nn.Linear(96, 80 + 16 * i).to(BF16), "int8") for i in range(2)]
+    for ql in layers:
+        ql.dense_rows = 12
+    xs = [_randn(40, 96, seed=20 + i).to(BF16) for i in range(2)]
+    alone = [ql(x) for ql, x in zip(layers, xs)]
+    errors: list[str] = []
+    start = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        start.wait()
+        for _ in range(50):
+            if not torch.equal(layers[i](xs[i]), alone[i]):
+                errors.append(f"thread {i} got another product")
+                return
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+@needs_native
+def test_dequantize_into_a_wrong_buffer_is_refused() -> None:
+    ql = QuantLinear(nn.Linear(64, 32).to(BF16), "int8")
+    assert kernels is not None
+    with pytest.raises(ValueError, match=r"out must be a contiguous bfloat16 \[32, 64\]"):
+        kernels.dequantize(ql.qweight, ql.scales, 64, None, out=torch.empty(32, 65, dtype=BF16))
+    got = kernels.dequantize(ql.qweight, ql.scales, 64, None, out=torch.empty(32, 64, dtype=BF16))
+    assert torch.equal(got, kernels.dequantize(ql.qweight, ql.scales, 64, None))
+
+
 @pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
 @pytest.mark.required
 @needs_native
