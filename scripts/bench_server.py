@@ -95,7 +95,10 @@ async def _in_process(engine: Any, streams: int, max_tokens: int) -> dict[str, f
         ignore_eos=True,
         output_kind=nb.RequestOutputKind.DELTA,
     )
-    starts, firsts, ends, tokens = [], [], [], []
+    starts: list[float] = []
+    firsts: list[float] = []
+    ends: list[float] = []
+    tokens: list[int] = []
 
     async def one() -> None:
         t0 = time.perf_counter()
@@ -106,7 +109,7 @@ async def _in_process(engine: Any, streams: int, max_tokens: int) -> dict[str, f
                 first = time.perf_counter()
             n += k
         starts.append(t0)
-        firsts.append(first)
+        firsts.append(first if first is not None else time.perf_counter())
         ends.append(time.perf_counter())
         tokens.append(n)
 
@@ -125,7 +128,10 @@ async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    starts, firsts, ends, tokens = [], [], [], []
+    starts: list[float] = []
+    firsts: list[float] = []
+    ends: list[float] = []
+    tokens: list[int] = []
 
     async def one(client: Any) -> None:
         t0 = time.perf_counter()
@@ -155,7 +161,9 @@ async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
                 for _ in range(streams)
             )
         )
-        starts.clear(), firsts.clear(), ends.clear(), tokens.clear()
+        for done in (starts, firsts, ends):
+            done.clear()
+        tokens.clear()
         c0 = time.process_time()
         await asyncio.gather(*(one(client) for _ in range(streams)))
         client_cpu = time.process_time() - c0
@@ -396,7 +404,8 @@ def main() -> None:
         _server_round(server.url, 2, 8, args.lean)
         rows = []
         for streams in counts:
-            local, remote = [], []
+            local: list[dict[str, float]] = []
+            remote: list[dict[str, float]] = []
             for i in range(args.rounds):
                 # The order flips every round (A B, B A, ...): neither arm always runs
                 # first, after the other's allocations or in a trend of the machine's load.
