@@ -9,8 +9,11 @@ For 1 and 32 concurrent streams of the same greedy requests (``ignore_eos``, fix
   process (httpx), as an application would call it. The client's own cost is off the
   engine's process, as it would be in production.
 
-Rounds alternate the two modes (in-process, server, in-process, ...) so that a change in
-the machine's load hits both; the median of the rounds is reported.
+Rounds alternate the two modes, the order flipped every round (in-process, server;
+server, in-process; ...) so that a change in the machine's load hits both; the median
+of the rounds is reported. Besides the engine process's CPU per token, each thread's
+(the core's, the loop's, the server's: ``pthread_getcpuclockid``) and the client
+process's own are printed: the server thread's and the client's are what serving adds.
 
     .venv/bin/python scripts/bench_server.py --model smollm --rounds 3
     .venv/bin/python scripts/bench_server.py --streams 256 --max-tokens 32 --idle 256
@@ -33,6 +36,33 @@ import time
 from typing import Any
 
 PROMPT = "Once upon a time, in a small village at the edge of a great forest,"
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of the engine's named threads (the server's, the loop's, the
+    core's) and of this process as a whole."""
+    import threading
+
+    out = {"process": time.process_time()}
+    for t in threading.enumerate():
+        if t.name in ("nbengine-server", "nbengine-loop", "nbengine-core") and t.ident:
+            try:
+                out[t.name] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except OSError:  # the thread ended meanwhile
+                pass
+    return out
+
+
+def _cpu_per_token(before: dict[str, float], tokens: float) -> dict[str, float]:
+    """Microseconds of CPU per generated token since ``before``, per thread (``cpu_*``)."""
+    after = _thread_cpu()
+    names = {
+        "process": "cpu_us_per_tok",
+        "nbengine-server": "cpu_server_us",
+        "nbengine-loop": "cpu_loop_us",
+        "nbengine-core": "cpu_core_us",
+    }
+    return {names[k]: (after[k] - before[k]) / tokens * 1e6 for k in before if k in after}
 
 
 def _summary(
@@ -65,7 +95,10 @@ async def _in_process(engine: Any, streams: int, max_tokens: int) -> dict[str, f
         ignore_eos=True,
         output_kind=nb.RequestOutputKind.DELTA,
     )
-    starts, firsts, ends, tokens = [], [], [], []
+    starts: list[float] = []
+    firsts: list[float] = []
+    ends: list[float] = []
+    tokens: list[int] = []
 
     async def one() -> None:
         t0 = time.perf_counter()
@@ -76,7 +109,7 @@ async def _in_process(engine: Any, streams: int, max_tokens: int) -> dict[str, f
                 first = time.perf_counter()
             n += k
         starts.append(t0)
-        firsts.append(first)
+        firsts.append(first if first is not None else time.perf_counter())
         ends.append(time.perf_counter())
         tokens.append(n)
 
@@ -95,7 +128,10 @@ async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    starts, firsts, ends, tokens = [], [], [], []
+    starts: list[float] = []
+    firsts: list[float] = []
+    ends: list[float] = []
+    tokens: list[int] = []
 
     async def one(client: Any) -> None:
         t0 = time.perf_counter()
@@ -125,9 +161,88 @@ async def _client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
                 for _ in range(streams)
             )
         )
-        starts.clear(), firsts.clear(), ends.clear(), tokens.clear()
+        for done in (starts, firsts, ends):
+            done.clear()
+        tokens.clear()
+        c0 = time.process_time()
         await asyncio.gather(*(one(client) for _ in range(streams)))
-    return _summary(starts, firsts, ends, tokens, max_tokens)
+        client_cpu = time.process_time() - c0
+    summary = _summary(starts, firsts, ends, tokens, max_tokens)
+    # The client process's own CPU (httpx, parsing each chunk): on a shared machine it
+    # competes with the engine's threads, which the in-process consumer does not.
+    summary["cpu_client_us"] = client_cpu / max(summary["tokens"], 1.0) * 1e6
+    return summary
+
+
+async def _lean_client(url: str, streams: int, max_tokens: int) -> dict[str, float]:
+    """``_client`` without httpx or a JSON parse per chunk: HTTP/1.1 over asyncio streams,
+    one read per chunk; only the usage chunk is parsed. It separates what the server
+    costs from what a client costs on a machine where both share the cores."""
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    assert where.hostname is not None and where.port is not None
+    host, port = where.hostname, where.port
+
+    def request(body: dict[str, Any]) -> bytes:
+        data = json.dumps(body).encode()
+        head = (
+            f"POST {where.path}/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        )
+        return head.encode() + data
+
+    async def exchange(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: bytes
+    ) -> tuple[float, float | None, int]:
+        t0 = time.perf_counter()
+        writer.write(req)
+        head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if b"transfer-encoding: chunked" not in head:
+            length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            return t0, None, 0
+        first, n = None, 0
+        while True:
+            size = int(await reader.readline(), 16)
+            if size == 0:
+                await reader.readline()
+                return t0, first, n
+            data = await reader.readexactly(size + 2)
+            if first is None:  # the first chunk carries the first token, as in _client
+                first = time.perf_counter()
+            if b'"completion_tokens"' in data:
+                for line in data.split(b"\n"):
+                    if line.startswith(b"data: {") and b'"completion_tokens"' in line:
+                        n = json.loads(line[6:])["usage"]["completion_tokens"]
+
+    conns = [await asyncio.open_connection(host, port) for _ in range(streams)]
+    warm = request({"prompt": PROMPT, "max_tokens": 1})
+    await asyncio.gather(*(exchange(r, w, warm) for r, w in conns))
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = request(body)
+    c0 = time.process_time()
+    results = await asyncio.gather(*(exchange(r, w, req) for r, w in conns))
+    client_cpu = time.process_time() - c0
+    ends = [time.perf_counter()] * len(results)  # gather ends with the last stream
+    for _, w in conns:
+        w.close()
+    summary = _summary(
+        [t0 for t0, _, _ in results],
+        [first if first is not None else ends[0] for _, first, _ in results],
+        ends,
+        [n for _, _, n in results],
+        max_tokens,
+    )
+    summary["cpu_client_us"] = client_cpu / max(summary["tokens"], 1.0) * 1e6
+    return summary
 
 
 def _idle_client(url: str, n: int) -> None:
@@ -191,12 +306,12 @@ def _idle_round(server: Any, n: int) -> dict[str, float]:
     }
 
 
-def _server_round(url: str, streams: int, max_tokens: int) -> dict[str, float]:
+def _server_round(url: str, streams: int, max_tokens: int, lean: bool) -> dict[str, float]:
     out = subprocess.run(
         [
             sys.executable,
             __file__,
-            "--client",
+            "--lean-client" if lean else "--client",
             url,
             "--streams",
             str(streams),
@@ -243,11 +358,23 @@ def main() -> None:
         help="also open N idle keep-alive connections and N that send nothing, and "
         "report the engine process's RSS growth per connection",
     )
+    ap.add_argument("--json", default=None, help="also write every round's figures here")
+    ap.add_argument(
+        "--lean",
+        action="store_true",
+        help="a client without httpx or a JSON parse per chunk (the server's own cost "
+        "with the least client work beside it on the same cores)",
+    )
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lean-client", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--idle-client", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.idle_client:
         _idle_client(args.idle_client, int(args.streams))
+        return
+    if args.lean_client:
+        run = _lean_client(args.lean_client, int(args.streams), args.max_tokens)
+        print(json.dumps(asyncio.run(run)))
         return
     if args.client:
         print(json.dumps(asyncio.run(_client(args.client, int(args.streams), args.max_tokens))))
@@ -274,19 +401,22 @@ def main() -> None:
         engine.serve(port=0, stream_interval=args.stream_interval) as server,
     ):
         asyncio.run(_in_process(engine, 2, 8))  # warm-up (native kernels, allocator)
-        _server_round(server.url, 2, 8)
+        _server_round(server.url, 2, 8, args.lean)
         rows = []
         for streams in counts:
-            local, remote = [], []
-            for _ in range(args.rounds):
-                c0 = time.process_time()
-                local.append(asyncio.run(_in_process(engine, streams, args.max_tokens)))
-                local[-1]["cpu_us_per_tok"] = (time.process_time() - c0) / local[-1]["tokens"] * 1e6
-                c0 = time.process_time()
-                remote.append(_server_round(server.url, streams, args.max_tokens))
-                remote[-1]["cpu_us_per_tok"] = (
-                    (time.process_time() - c0) / remote[-1]["tokens"] * 1e6
-                )
+            local: list[dict[str, float]] = []
+            remote: list[dict[str, float]] = []
+            for i in range(args.rounds):
+                # The order flips every round (A B, B A, ...): neither arm always runs
+                # first, after the other's allocations or in a trend of the machine's load.
+                for arm in ("local", "remote") if i % 2 == 0 else ("remote", "local"):
+                    c0 = _thread_cpu()
+                    if arm == "local":
+                        r = asyncio.run(_in_process(engine, streams, args.max_tokens))
+                    else:
+                        r = _server_round(server.url, streams, args.max_tokens, args.lean)
+                    r.update(_cpu_per_token(c0, r["tokens"]))
+                    (local if arm == "local" else remote).append(r)
             med = {
                 k: {m: statistics.median(r[m] for r in runs) for m in runs[0]}
                 for k, runs in (("in-process", local), ("server", remote))
@@ -295,7 +425,7 @@ def main() -> None:
         idle = _idle_round(server, args.idle) if args.idle else None
     print(
         f"model: {args.shape or args.model}, max_tokens {args.max_tokens}, {args.rounds} rounds, "
-        f"stream_interval {args.stream_interval}, "
+        f"stream_interval {args.stream_interval}, {'lean' if args.lean else 'httpx'} client, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     print(
@@ -331,6 +461,37 @@ def main() -> None:
             f"{b['ttft_p50'] * 1000:.0f} / {b['ttft_p99'] * 1000:.0f} ms | "
             f"{b['ttft_p99'] / b['ttft_p50']:.2f}x | {short_a:.0f} / {short_b:.0f} |"
         )
+    print()
+    print(
+        "| streams | CPU per token, us (median): arm | process | core thread | loop thread | "
+        "server thread | client process |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for streams, med, _, _ in rows:
+        for arm in ("in-process", "server"):
+            m = med[arm]
+            client = f"{m['cpu_client_us']:.0f}" if "cpu_client_us" in m else "-"
+            print(
+                f"| {streams} | {arm} | {m['cpu_us_per_tok']:.0f} | "
+                f"{m.get('cpu_core_us', 0):.0f} | {m.get('cpu_loop_us', 0):.0f} | "
+                f"{m.get('cpu_server_us', 0):.0f} | {client} |"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "argv": sys.argv[1:],
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load": open("/proc/loadavg").read().split()[:3],
+                    "rows": [
+                        {"streams": st, "median": med, "in_process": lo, "server": re}
+                        for st, med, lo, re in rows
+                    ],
+                    "idle": idle,
+                },
+                f,
+                indent=1,
+            )
     if idle is not None:
         print()
         print(
