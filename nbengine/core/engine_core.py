@@ -241,6 +241,7 @@ class EngineCore:
             # batch wins over its final token) are applied before the update.
             self._process_mid_step()
             outputs = sched.update_from_output(batch, result)
+            sched.observe_step(batch, time.monotonic() - start)  # the draft policy's costs
         self.step_count += 1
         removed_outputs, finished, events = sched.take_removals()
         kv = sched.kv
