@@ -98,6 +98,9 @@ class Scheduler:
         self.spec_policy = DraftPolicy(spec.num_speculative_tokens)
         self._spec_rows = 0  # this step's decode rows so far (drafts included)
         self._spec_tokens = 0.0  # and the tokens they are expected to make
+        # Set by the engine core: the most rows a decode step keeps its arithmetic at (the
+        # runner's decode plan; None: any). Drafts never take a step past it.
+        self.spec_max_rows: int | None = None
 
     # ---- queries --------------------------------------------------------------------
     @property
@@ -390,6 +393,11 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
+        limit = self.spec_max_rows
+        if limit is not None and self._spec_rows <= limit:
+            # Past the limit the step would take another path, whose rounding differs:
+            # the greedy tokens would no longer be those of the plain step.
+            room = min(room, limit - self._spec_rows)
         if room <= 0:
             return []
         policy = self.spec_policy

@@ -191,7 +191,10 @@ class ModelRunner:
         self.loaded = loaded
         self.model: CausalLM = loaded.model
         # The most rows of a decode step the model's decode plan may take (None: no limit).
+        # A larger step runs the module path, whose products (oneDNN's) round differently:
+        # the scheduler keeps speculative drafts from pushing a step past it.
         plan_max_rows: int | None = None
+        self.decode_plan_max_rows: int | None = None
         if (
             loaded.model is not None
             and loaded.dtype == torch.bfloat16
@@ -258,6 +261,7 @@ class ModelRunner:
         if isinstance(m, PlannedDecode):
             # Native decode plans are the CPU default path's; the device path runs torch ops.
             m.configure_decode_plans(enabled=not self.device_path, max_rows=plan_max_rows)
+            self.decode_plan_max_rows = plan_max_rows
             self._forward = _PlannedForward(m, m, self.sampler)
         self._execute_step: Callable[[_Step, ModelRunnerOutput], ModelRunnerOutput] = (
             self._execute_on_device if self.device_path else self._execute_on_host

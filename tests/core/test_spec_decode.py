@@ -24,6 +24,8 @@ from nbengine.model.runner import ModelRunner
 from nbengine.request import FinishReason
 from nbengine.sampling_params import SamplingParams
 
+from support.spec_policies import AllDrafts, RandomK
+
 testing = pytest.importorskip("nbengine.testing")
 
 ARCHS = ("llama", "qwen3", "gpt2")
@@ -120,13 +122,6 @@ def run(
     assert kv.num_free_blocks == kv.num_blocks  # every block came back
     core.shutdown()
     return r
-
-
-class AllDrafts(DraftPolicy):
-    """A policy that always drafts as many tokens as the room allows."""
-
-    def choose(self, request_id: str, rows: int, tokens: float, k_cap: int) -> int:
-        return min(k_cap, self.k_max)
 
 
 def greedy(n: int = 24, **kw: Any) -> SamplingParams:
@@ -264,20 +259,6 @@ def test_seeded_sampling_is_reproducible_with_speculation(tiny_models) -> None:
 # --- the draft policy ------------------------------------------------------------------
 
 
-class RandomK(DraftPolicy):
-    """A policy that picks each step's draft count at random (0 included)."""
-
-    def __init__(self, k_max: int, seed: int) -> None:
-        super().__init__(k_max)
-        self.rng = random.Random(seed)
-        self.chosen: list[int] = []
-
-    def choose(self, request_id: str, rows: int, tokens: float, k_cap: int) -> int:
-        k = self.rng.randint(0, min(k_cap, self.k_max))
-        self.chosen.append(k)
-        return k
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_draft_counts_never_change_greedy_outputs(arch, tiny_models) -> None:
     path = tiny_models[arch]
@@ -399,3 +380,50 @@ def test_drafts_are_asked_for_only_when_their_slots_fit(num_kv_blocks: int, aske
     batch = core.scheduler.schedule()
     assert proposer.calls == asked
     assert (batch.num_draft_tokens > 0) == (asked > 0)
+
+
+def test_bf16_decode_plan_greedy_parity_with_any_draft_counts() -> None:
+    # The shipped default model in bfloat16 takes the native decode plan: a row's tokens
+    # must not depend on how many rows (drafts, other requests) share its step, nor on a
+    # step growing past the plan's row limit because of drafts (ops/kernels.c tiles;
+    # Scheduler.spec_max_rows).
+    from nbengine.model.loader import resolve_model_dir
+    from nbengine.ops import native
+
+    if native.kernels() is None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    path = resolve_model_dir(None, None)
+
+    class RandomIds:
+        """Drafts of random ids: nearly all rejected, so the row counts vary widely."""
+
+        def __init__(self, seed: int) -> None:
+            self.rng = random.Random(seed)
+
+        def draft(self, request_id: str, token_ids: Any, max_tokens: int) -> list[int]:
+            return [self.rng.randrange(3, 6144) for _ in range(max_tokens)]
+
+        def forget(self, request_id: str) -> None:
+            pass
+
+    prompts = {f"r{i}": prompt_of(70 + i, 20 + 7 * i) for i in range(4)}
+    kw: dict[str, Any] = dict(dtype="bfloat16", block_size=16, num_kv_blocks=64)
+    base = run(path, prompts, greedy(120), None, **kw)
+    for seed in range(2):
+        config = EngineConfig.from_kwargs(str(path), speculative_config=SPEC, **kw)
+        core = EngineCore(config, ModelRunner)
+        core.scheduler.spec_policy = RandomK(4, seed)
+        core.scheduler.proposer = RandomIds(seed)
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            core.add_request(EngineCoreRequest(rid, prompt, greedy(120), arrival_time=float(i)))
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        drafts = 0
+        while core.has_unfinished_requests():
+            batch = core.step()
+            assert batch.step is not None
+            drafts += batch.step.spec_draft_tokens
+            for out in batch.outputs:
+                tokens[out.request_id] += out.new_token_ids
+        core.shutdown()
+        assert drafts > 0
+        assert tokens == base.tokens
