@@ -11,12 +11,18 @@ docs/benchmarks.md).
 
     python scripts/bench_spec.py [--repeats 5] [--k 4 | --k 3,4,5,6,7,8] [--models default,bench]
         [--draft DIR]   # method "draft_model" with the model in DIR instead of n-gram
+        [--json PATH]   # also write every run and the summaries as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +49,12 @@ def main() -> None:
     p.add_argument("--workloads", default="W4,W2")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--draft", default=None, help="draft model directory (draft_model)")
+    p.add_argument("--json", default=None, help="write the runs and summaries here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    record: dict[str, Any] = {"argv": sys.argv[1:], "started": _now(), "commit": _commit()}
+    record["load_before"] = os.getloadavg()
+    results: list[dict[str, Any]] = []
     for model in args.models.split(","):
         path, vocab = _model(model)
         wls = make_workloads(args.workloads.split(","), vocab, continuation=_cont(path))
@@ -52,7 +62,24 @@ def main() -> None:
         for name, wl in wls.items():
             driver.run(wl)  # warm-up (page cache, kernels)
             for k in (int(x) for x in args.k.split(",")):
-                _ab(driver, model, name, wl, _spec(args.draft, k), args.repeats)
+                results.append(_ab(driver, model, name, wl, _spec(args.draft, k), args.repeats))
+    if args.json:
+        record.update(results=results, finished=_now(), load_after=os.getloadavg())
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        return out.stdout.strip()
+    except OSError:
+        return "unknown"
 
 
 def _cont(path: Path) -> Any:
@@ -67,11 +94,13 @@ def _spec(draft: str | None, k: int) -> dict[str, Any]:
 
 def _ab(
     driver: NbengineDriver, model: str, name: str, wl: Any, spec: dict[str, Any], repeats: int
-) -> None:
-    """``repeats`` off/on pairs, order flipping each repeat; prints runs and the medians."""
+) -> dict[str, Any]:
+    """``repeats`` off/on pairs, order flipping each repeat; prints runs and the medians,
+    and returns them."""
     k = spec["num_speculative_tokens"]
     rates: dict[str, list[float]] = {"off": [], "on": []}
     drafted = accepted = 0
+    steps: dict[str, list[int]] = {"off": [], "on": []}
     for rep in range(repeats):
         order = ("off", "on") if rep % 2 == 0 else ("on", "off")
         for label in order:
@@ -81,6 +110,7 @@ def _ab(
             rates[label].append(rate)
             drafted += res.extra["spec_draft_tokens"]
             accepted += res.extra["spec_accepted_tokens"]
+            steps[label].append(res.extra["num_steps"])
             print(
                 f"{model} {name} k={k} {label:3s} {rate:8.1f} tok/s "
                 f"({res.output_tokens} tokens, {res.extra['num_steps']} steps)",
@@ -95,6 +125,17 @@ def _ab(
         f"accepted {accepted}/{drafted} drafted ({accepted / max(drafted, 1):.0%})",
         flush=True,
     )
+    return {
+        "model": model,
+        "workload": name,
+        "k": k,
+        "tok_s": rates,
+        "steps": steps,
+        "ratios": ratios,
+        "ratio_median": statistics.median(ratios),
+        "drafted": drafted,
+        "accepted": accepted,
+    }
 
 
 if __name__ == "__main__":

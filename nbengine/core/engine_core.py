@@ -95,6 +95,9 @@ class EngineCore:
             max_model_len,
             sliding_window=window,
         )
+        # The most rows a decode step may have and keep its arithmetic (model/runner.py):
+        # drafts never push a step past it (docs/speculative-decoding.md, "Exactness").
+        self.scheduler.spec_max_rows = getattr(self.runner, "decode_plan_max_rows", None)
         if config.speculative.method == "draft_model":
             # The draft model is the runner's (it loads models); the core only asks it.
             draft = getattr(self.runner, "draft_proposer", None)
@@ -241,6 +244,7 @@ class EngineCore:
             # batch wins over its final token) are applied before the update.
             self._process_mid_step()
             outputs = sched.update_from_output(batch, result)
+            sched.observe_step(batch, time.monotonic() - start)  # the draft policy's costs
         self.step_count += 1
         removed_outputs, finished, events = sched.take_removals()
         kv = sched.kv

@@ -31,7 +31,7 @@ from nbengine.core.scheduler_output import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from nbengine.core.spec_decode import DraftBackoff, DraftProposer, NgramProposer, may_speculate
+from nbengine.core.spec_decode import DraftPolicy, DraftProposer, NgramProposer, may_speculate
 from nbengine.outputs import PositionLogprobs
 from nbengine.request import RequestStatus
 
@@ -94,7 +94,13 @@ class Scheduler:
             NgramProposer(spec) if spec.method == "ngram" else None
         )
         self.step_spec_accepted = 0  # drafts accepted in the latest update_from_output()
-        self.spec_backoff = DraftBackoff()
+        # How many drafts each request gets per step: the expected tokens per second.
+        self.spec_policy = DraftPolicy(spec.num_speculative_tokens)
+        self._spec_rows = 0  # this step's decode rows so far (drafts included)
+        self._spec_tokens = 0.0  # and the tokens they are expected to make
+        # Set by the engine core: the most rows a decode step keeps its arithmetic at (the
+        # runner's decode plan; None: any). Drafts never take a step past it.
+        self.spec_max_rows: int | None = None
 
     # ---- queries --------------------------------------------------------------------
     @property
@@ -147,7 +153,7 @@ class Scheduler:
         self.requests.pop(rid, None)
         self._prompt_lp_sent.pop(rid, None)
         self._admit_seq.pop(rid, None)
-        self.spec_backoff.forget(rid)
+        self.spec_policy.forget(rid)
         if self.proposer is not None:
             self.proposer.forget(rid)
         self._set_status(request, status)
@@ -264,6 +270,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request key -> tokens this step (insertion = order)
         drafts: dict[str, list[int]] = {}  # request key -> its drafts (in the budget too)
+        # The step's decode rows and expected tokens so far, for the draft policy: every
+        # decoding request's own row counts from the start, drafts as they are granted.
+        if self.proposer is not None:
+            n = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            self._spec_rows, self._spec_tokens = n, float(n)
 
         # 1. Running requests: each gets all its remaining tokens (decode = 1) if it fits.
         i = 0
@@ -375,7 +386,6 @@ class Scheduler:
             request.num_tokens - request.num_computed_tokens != 1
             or request.num_computed_tokens < request.num_prompt_tokens  # a prefill's end
             or not may_speculate(request)
-            or not self.spec_backoff.allows(request.request_id)
         ):
             return []
         room = min(budget - 1, min(self.max_model_len, self.pool_tokens) - request.num_tokens - 1)
@@ -383,9 +393,29 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
+        limit = self.spec_max_rows
+        if limit is not None and self._spec_rows <= limit:
+            # Past the limit the step would take another path, whose rounding differs:
+            # the greedy tokens would no longer be those of the plain step.
+            room = min(room, limit - self._spec_rows)
         if room <= 0:
             return []
-        return self.proposer.draft(request.request_id, request.all_token_ids, room)
+        policy = self.spec_policy
+        rid = request.request_id
+        k = policy.choose(rid, max(1, self._spec_rows), max(1.0, self._spec_tokens), room)
+        if k <= 0:
+            return []
+        proposed = self.proposer.draft(rid, request.all_token_ids, k)
+        self._spec_rows += len(proposed)
+        self._spec_tokens += policy.expected_tokens(rid, len(proposed)) - 1.0
+        return proposed
+
+    def observe_step(self, batch: SchedulerOutput, seconds: float) -> None:
+        """The draft policy's cost sample: ``batch`` (scheduled by ``schedule()``) took
+        ``seconds`` from scheduling to the end of its update. Only decode-only steps
+        count, keyed by their rows (drafts included)."""
+        if self.proposer is not None and batch.num_prefill_tokens == 0 and batch.chunks:
+            self.spec_policy.observe_step(batch.num_decode_tokens, seconds)
 
     # ---- after the runner -------------------------------------------------------------
     def update_from_output(
@@ -456,7 +486,7 @@ class Scheduler:
                 break
         accepted = min(appended, len(kept) - 1)  # drafts kept (the last may be the bonus)
         out.num_spec_accepted = accepted
-        self.spec_backoff.record(rid, len(kept) - 1)
+        self.spec_policy.record(rid, len(chunk.draft_token_ids), len(kept) - 1)
         self.step_spec_accepted += accepted
         # K/V is kept for the decoded token and the accepted drafts; the newest token has
         # none yet. The blocks beyond those positions (rejected drafts' slots) are freed,

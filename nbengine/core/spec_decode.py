@@ -12,7 +12,10 @@ longest run where the sample equals the next draft, plus the sample after it
 
 from __future__ import annotations
 
+import statistics
 from array import array
+from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -21,7 +24,7 @@ import torch
 from nbengine.config import SpeculativeConfig
 from nbengine.core.request import Request
 
-__all__ = ["DraftBackoff", "DraftProposer", "NgramProposer", "may_speculate", "prefix_view"]
+__all__ = ["DraftPolicy", "DraftProposer", "NgramProposer", "may_speculate", "prefix_view"]
 
 _WORD = "i"  # token ids as 4-byte words (every vocabulary is far below 2**31)
 assert array(_WORD).itemsize == 4
@@ -127,35 +130,119 @@ class NgramProposer:
         """Nothing to drop."""
 
 
-class DraftBackoff:
-    """Fewer wasted verifications: after a step whose drafts were all rejected, the
-    request proposes nothing for 1, then 2, 4, ... up to ``max_skip`` lookups; an
-    accepted draft resets it. A verified step costs more than a plain decode (more rows
-    through the model and the sampler), so a stream whose lookups keep failing (W2,
-    docs/benchmarks.md) decodes nearly as without speculation. Outputs never depend on
-    it: only which steps carry drafts does."""
+class DraftPolicy:
+    """Cost-aware draft lengths: per request and step, the k (0 = a plain decode) that
+    maximizes the step's expected tokens per second.
 
-    def __init__(self, max_skip: int = 16) -> None:
-        self.max_skip = max_skip
-        self._skip: dict[str, tuple[int, int]] = {}  # key -> (lookups left to skip, penalty)
+    Two estimates, both the engine's own (docs/speculative-decoding.md, "When it drafts"):
 
-    def allows(self, request_id: str) -> bool:
-        """Whether ``request_id`` may look up drafts now (counts one skipped lookup)."""
-        state = self._skip.get(request_id)
-        if state is None or state[0] == 0:
-            return True
-        self._skip[request_id] = (state[0] - 1, state[1])
-        return False
+    - **what a verification keeps**: per request, the chance ``a`` that a draft is
+      accepted, from its recent verifications (counts that decay by ``decay`` each time,
+      prior 1 accepted and 1 rejected: ``a`` starts at 0.5). With drafts accepted
+      independently at ``a``, k drafts keep ``1 + a + ... + a**k`` tokens on average;
+    - **what a step costs**: the median seconds of the last ``window`` decode-only steps
+      (no prefill in them) per number of rows, drafts included (``observe_step``).
+      Between measured row counts the cost is interpolated; below the smallest one it is
+      taken as proportional to the rows; above the largest, extrapolated with the last
+      slope (free while only one count is measured, so the first steps try drafting).
 
-    def record(self, request_id: str, num_accepted: int) -> None:
-        """The outcome of one verification of ``request_id``'s drafts."""
-        if num_accepted:
-            self._skip.pop(request_id, None)
-            return
-        penalty = self._skip.get(request_id, (0, 0))[1]
-        penalty = min(self.max_skip, max(1, 2 * penalty))
-        self._skip[request_id] = (penalty, penalty)
+    For a request in a step that already holds ``rows`` rows expected to make ``tokens``
+    tokens, k drafts give ``(tokens - 1 + E(k)) / t(rows + k)`` tokens per second; the
+    best k is chosen. When that is 0, every ``probe_every``-th step still verifies one
+    draft (if the lookup finds one), so a stream whose text starts repeating is noticed.
+    Outputs never depend on it: only which steps carry drafts (and how many) does.
+    """
+
+    def __init__(
+        self, k_max: int, window: int = 15, decay: float = 0.8, probe_every: int = 16
+    ) -> None:
+        self.k_max = k_max
+        self.window = window
+        self.decay = decay
+        self.probe_every = probe_every
+        self._times: dict[int, deque[float]] = {}  # rows -> recent decode-only step seconds
+        self._cost: dict[int, float] = {}  # rows -> their median (kept with ``_times``)
+        self._rows: list[int] = []  # measured row counts, ascending
+        self._counts: dict[str, list[float]] = {}  # key -> [accepted, rejected] (decayed)
+        self._plain: dict[str, int] = {}  # key -> plain steps since its last probe
+
+    def acceptance(self, request_id: str) -> float:
+        """The estimated chance that one of ``request_id``'s drafts is accepted."""
+        acc, rej = self._counts.get(request_id, (0.0, 0.0))
+        return (acc + 1.0) / (acc + rej + 2.0)
+
+    def expected_tokens(self, request_id: str, k: int) -> float:
+        """Tokens a verification of k drafts keeps on average (1 at k = 0)."""
+        a = self.acceptance(request_id)
+        return sum(a**j for j in range(k + 1))
+
+    def step_cost(self, rows: int) -> float:
+        """Estimated seconds of a decode-only step of ``rows`` rows (0.0: none measured)."""
+        known = self._rows
+        if not known:
+            return 0.0
+        cost = self._cost
+        at = bisect_left(known, rows)
+        if at < len(known) and known[at] == rows:
+            return cost[rows]
+        if at == 0:  # below every measured count: proportional to the rows
+            return cost[known[0]] * rows / known[0]
+        if at == len(known):  # above: the last slope (free while one count is known)
+            if len(known) == 1:
+                return cost[known[0]]
+            lo, hi = known[-2], known[-1]
+            slope = max(0.0, (cost[hi] - cost[lo]) / (hi - lo))
+            return cost[hi] + slope * (rows - hi)
+        lo, hi = known[at - 1], known[at]
+        return cost[lo] + (cost[hi] - cost[lo]) * (rows - lo) / (hi - lo)
+
+    def choose(self, request_id: str, rows: int, tokens: float, k_cap: int) -> int:
+        """The number of drafts (at most ``k_cap``; 0: a plain decode) for ``request_id``
+        in a step that holds ``rows`` rows so far (its own decoded row included), expected
+        to make ``tokens`` tokens (its own decoded token included)."""
+        k_cap = min(k_cap, self.k_max)
+        if k_cap <= 0:
+            return 0
+        best_k = 0
+        t0 = self.step_cost(rows)
+        if t0 <= 0.0:
+            best_k = k_cap  # nothing measured yet: try
+        else:
+            best_rate = tokens / t0
+            a = self.acceptance(request_id)
+            kept = 1.0
+            for k in range(1, k_cap + 1):
+                kept += a**k
+                rate = (tokens - 1.0 + kept) / max(self.step_cost(rows + k), 1e-12)
+                if rate > best_rate:
+                    best_k, best_rate = k, rate
+        if best_k:
+            self._plain.pop(request_id, None)
+            return best_k
+        plain = self._plain.get(request_id, 0) + 1
+        if plain >= self.probe_every:
+            self._plain.pop(request_id, None)
+            return 1  # a probe: one draft, the cheapest verification
+        self._plain[request_id] = plain
+        return 0
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """The outcome of one verification of ``request_id``'s ``num_drafts`` drafts."""
+        counts = self._counts.setdefault(request_id, [0.0, 0.0])
+        d = self.decay
+        counts[0] = counts[0] * d + num_accepted
+        counts[1] = counts[1] * d + (1.0 if num_accepted < num_drafts else 0.0)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """One decode-only step of ``rows`` rows (drafts included) took ``seconds``."""
+        times = self._times.get(rows)
+        if times is None:
+            times = self._times[rows] = deque(maxlen=self.window)
+            insort(self._rows, rows)
+        times.append(seconds)
+        self._cost[rows] = statistics.median(times)
 
     def forget(self, request_id: str) -> None:
         """Drop the state of a request that left the core."""
-        self._skip.pop(request_id, None)
+        self._counts.pop(request_id, None)
+        self._plain.pop(request_id, None)

@@ -81,6 +81,9 @@ class _Step:
     sample_chunks: list[ScheduledChunk] = field(default_factory=list)
     sample_views: list[Request] = field(default_factory=list)
     has_drafts: bool = False
+    # A seeded request with drafts: its generator's state before the step's draws (see
+    # ``_rewind_seeded``), by request key.
+    seeded_states: dict[str, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
     plp_rows: list[int] = field(default_factory=list)
     plp_targets: list[int] = field(default_factory=list)
     plp_ks: list[int] = field(default_factory=list)
@@ -188,7 +191,10 @@ class ModelRunner:
         self.loaded = loaded
         self.model: CausalLM = loaded.model
         # The most rows of a decode step the model's decode plan may take (None: no limit).
+        # A larger step runs the module path, whose products (oneDNN's) round differently:
+        # the scheduler keeps speculative drafts from pushing a step past it.
         plan_max_rows: int | None = None
+        self.decode_plan_max_rows: int | None = None
         if (
             loaded.model is not None
             and loaded.dtype == torch.bfloat16
@@ -255,6 +261,7 @@ class ModelRunner:
         if isinstance(m, PlannedDecode):
             # Native decode plans are the CPU default path's; the device path runs torch ops.
             m.configure_decode_plans(enabled=not self.device_path, max_rows=plan_max_rows)
+            self.decode_plan_max_rows = plan_max_rows
             self._forward = _PlannedForward(m, m, self.sampler)
         self._execute_step: Callable[[_Step, ModelRunnerOutput], ModelRunnerOutput] = (
             self._execute_on_device if self.device_path else self._execute_on_host
@@ -350,10 +357,31 @@ class ModelRunner:
                 continue
             n = len(drafts) + 1  # the chunk's rows: one per verified position
             m = accepted_drafts(drafts, tokens[row : row + n])
-            out.spec_sampled[c.request.request_id] = [
+            rid = c.request.request_id
+            out.spec_sampled[rid] = [
                 SampledToken(tokens[row + j], lps[row + j]) for j in range(m + 1)
             ]
+            seeded = step.seeded_states.get(rid)
+            if seeded is not None:
+                ModelRunner._rewind_seeded(*seeded, m + 1)
             row += n
+
+    @staticmethod
+    def _rewind_seeded(generator: torch.Generator, before: torch.Tensor, kept: int) -> None:
+        """Leave a seeded request's generator as if only its ``kept`` positions had drawn.
+
+        The sampler draws one uniform per random row, in row order, from the request's
+        own generator (ops/sampling.py, ``draw_uniforms``): the kept positions used the
+        first ``kept`` draws of the step, exactly the draws their plain steps would
+        have made. Undoing the rejected rows' draws keeps every later position on the
+        same draw as without speculation, so a seeded request's tokens are those of a
+        run without it, whichever steps carry drafts (core/spec_decode.py, ``DraftPolicy``).
+        """
+        if torch.equal(generator.get_state(), before):
+            return  # its rows drew nothing (greedy)
+        generator.set_state(before)
+        for _ in range(kept):
+            torch.rand(1, dtype=torch.float64, generator=generator)
 
     def _flatten(self, batch: SchedulerOutput) -> _Step:
         """The step's chunks flattened (single-token chunks first) into host lists."""
@@ -393,6 +421,12 @@ class ModelRunner:
                 ids.extend(drafts)
                 positions.extend(range(c.start_pos, end + n))
                 step.has_drafts = True
+                seed = req.sampling_params.seed
+                if seed is not None:
+                    if req.generator is None:  # as the sampler would create it
+                        req.generator = torch.Generator().manual_seed(seed)
+                    gen = req.generator
+                    step.seeded_states[req.request_id] = (gen, gen.get_state())
                 for j in range(n + 1):
                     specs.append(ChunkSpec(c.start_pos + j, 1, c.block_table))
                     sample_rows.append(row + j)

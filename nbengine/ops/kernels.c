@@ -60,31 +60,51 @@ static void nb_linear_tile(const uint16_t *x, const uint16_t *wt, const uint16_t
     const int64_t rows = M - m0 < 4 ? M - m0 : 4;
     const uint16_t *bt = bias ? bias + n0 : 0;
     if (rows == 4) {
-        __m512 acc[4][4];
+        /* Each row's sums run in exactly the order of the one-row path below (even and
+         * odd pairs in two chains, added at the end), so a row's result never depends on
+         * which rows share its tile: a request's greedy tokens are the same alone, in a
+         * batch, or with speculative drafts beside it (docs/speculative-decoding.md). Two
+         * halves of 32 features keep the 16 accumulators in registers. */
         const uint32_t *xp[4];
-        for (int i = 0; i < 4; i++) {
-            xp[i] = (const uint32_t *)(x + (m0 + i) * K);
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-        }
-        for (int64_t p = 0; p < pairs; p++) {
-            const uint16_t *wp = wt + p * NB_TILE * 2;
-            const __m512bh w0 = (__m512bh)_mm512_load_si512(wp);
-            const __m512bh w1 = (__m512bh)_mm512_load_si512(wp + 32);
-            const __m512bh w2 = (__m512bh)_mm512_load_si512(wp + 64);
-            const __m512bh w3 = (__m512bh)_mm512_load_si512(wp + 96);
+        for (int i = 0; i < 4; i++) xp[i] = (const uint32_t *)(x + (m0 + i) * K);
+        for (int jo = 0; jo < 4; jo += 2) {
+            __m512 acc[4][2][2];
+            for (int i = 0; i < 4; i++)
+                for (int h = 0; h < 2; h++)
+                    for (int j = 0; j < 2; j++) acc[i][h][j] = _mm512_setzero_ps();
+            int64_t p = 0;
+            for (; p + 2 <= pairs; p += 2) {
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const uint16_t *wp = wt + (p + h) * NB_TILE * 2 + 32 * jo;
+                    const __m512bh w0 = (__m512bh)_mm512_load_si512(wp);
+                    const __m512bh w1 = (__m512bh)_mm512_load_si512(wp + 32);
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[i][p]);
-                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
-                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
-                acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xb);
-                acc[i][3] = _mm512_dpbf16_ps(acc[i][3], w3, xb);
+                    for (int i = 0; i < 4; i++) {
+                        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[i][p + h]);
+                        acc[i][h][0] = _mm512_dpbf16_ps(acc[i][h][0], w0, xb);
+                        acc[i][h][1] = _mm512_dpbf16_ps(acc[i][h][1], w1, xb);
+                    }
+                }
             }
+            for (; p < pairs; p++) {
+                const uint16_t *wp = wt + p * NB_TILE * 2 + 32 * jo;
+                const __m512bh w0 = (__m512bh)_mm512_load_si512(wp);
+                const __m512bh w1 = (__m512bh)_mm512_load_si512(wp + 32);
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[i][p]);
+                    acc[i][0][0] = _mm512_dpbf16_ps(acc[i][0][0], w0, xb);
+                    acc[i][0][1] = _mm512_dpbf16_ps(acc[i][0][1], w1, xb);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 2; j++) {
+                    const int64_t f = 16 * (jo + j);
+                    nb_store16(y, (m0 + i) * N + n0 + f, N - n0 - f,
+                               _mm512_add_ps(acc[i][0][j], acc[i][1][j]), bt ? bt + f : 0,
+                               out_f32);
+                }
         }
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < 4; j++)
-                nb_store16(y, (m0 + i) * N + n0 + 16 * j, N - n0 - 16 * j, acc[i][j],
-                           bt ? bt + 16 * j : 0, out_f32);
     } else {
         /* One row at a time; even and odd pairs accumulate separately so that two
          * independent chains hide the latency of the dot-product instruction. */

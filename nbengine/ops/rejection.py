@@ -15,7 +15,9 @@ is a plain sample from ``p``. So every emitted token has exactly the distributio
 normal step at its prefix. Greedy rows are the special case where ``y`` is the argmax.
 
 A seeded request draws one uniform per verified position from its own generator, in
-position order, so its outputs are reproducible run to run with speculation on.
+position order; the runner then undoes the rejected positions' draws
+(``ModelRunner._rewind_seeded``), so each position draws what its plain step would and
+the request's tokens are those of a run without speculation.
 """
 
 from __future__ import annotations

@@ -19,10 +19,12 @@ import pytest
 from nbengine.config import EngineConfig, SpeculativeConfig
 from nbengine.core.engine_core import EngineCore
 from nbengine.core.messages import EngineCoreRequest
-from nbengine.core.spec_decode import NgramProposer
+from nbengine.core.spec_decode import DraftPolicy, NgramProposer
 from nbengine.model.runner import ModelRunner
 from nbengine.request import FinishReason
 from nbengine.sampling_params import SamplingParams
+
+from support.spec_policies import AllDrafts, RandomK
 
 testing = pytest.importorskip("nbengine.testing")
 
@@ -75,6 +77,8 @@ def run(
     prompts: dict[str, list[int]],
     params: dict[str, SamplingParams] | SamplingParams,
     spec: dict[str, Any] | None,
+    policy: DraftPolicy | None = None,
+    shipped_policy: bool = False,
     **kwargs: Any,
 ) -> Run:
     kwargs.setdefault("dtype", "float32")
@@ -82,6 +86,10 @@ def run(
     kwargs.setdefault("num_kv_blocks", 128)
     config = EngineConfig.from_kwargs(str(path), speculative_config=spec, **kwargs)
     core = EngineCore(config, ModelRunner)
+    if spec is not None and not shipped_policy:
+        # Every step drafts all the room allows, so the verification paths run whatever
+        # the host's timing (the shipped policy's choices depend on measured step times).
+        core.scheduler.spec_policy = policy or AllDrafts(config.speculative.num_speculative_tokens)
     for i, (rid, prompt) in enumerate(prompts.items()):
         p = params[rid] if isinstance(params, dict) else params
         core.add_request(EngineCoreRequest(rid, prompt, p, arrival_time=float(i)))
@@ -237,11 +245,73 @@ def test_seeded_sampling_is_reproducible_with_speculation(tiny_models) -> None:
         "s": SamplingParams(temperature=0.3, top_k=20, top_p=0.9, seed=7, max_tokens=40),
         "t": SamplingParams(temperature=0.2, min_p=0.05, seed=8, max_tokens=40),
     }
+    plain = run(path, prompts, params, None)
     first = run(path, prompts, params, SPEC)
     again = run(path, prompts, params, SPEC, max_num_batched_tokens=9)
-    assert first.tokens == again.tokens
-    assert first.accepted > 0
+    forced = run(path, prompts, params, SPEC, policy=RandomK(4, seed=5))
+    # The rejected rows' draws are undone, so each position draws what it would without
+    # speculation: the tokens are those of the plain run, whichever steps carry drafts.
+    assert first.tokens == again.tokens == forced.tokens == plain.tokens
+    assert first.accepted > 0 and forced.accepted > 0
     assert all(len(set(t)) > 1 for t in first.tokens.values())
+
+
+# --- the draft policy ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_counts_never_change_greedy_outputs(arch, tiny_models) -> None:
+    path = tiny_models[arch]
+    prompts = {"copy": passage(51), "rand": prompt_of(52, 6), "long": passage(53) * 2}
+    base = run(path, prompts, greedy(40), None, max_num_batched_tokens=16)
+    for seed in range(3):
+        policy = RandomK(4, seed)
+        got = run(path, prompts, greedy(40), SPEC, policy=policy, max_num_batched_tokens=16)
+        assert got.tokens == base.tokens
+        assert 0 in policy.chosen and max(policy.chosen) == 4
+
+
+def test_greedy_and_seeded_parity_under_the_shipped_policy(tiny_models) -> None:
+    path = tiny_models["llama"]
+    prompts = {"copy": passage(61), "rand": prompt_of(62, 6)}
+    params = {
+        "copy": greedy(40),
+        "rand": SamplingParams(temperature=0.5, seed=3, max_tokens=40, ignore_eos=True),
+    }
+    base = run(path, prompts, params, None)
+    got = run(path, prompts, params, SPEC, shipped_policy=True)
+    assert got.tokens == base.tokens
+    assert got.drafts > 0  # the first decode tries drafts before any step is measured
+
+
+def test_policy_stops_drafting_when_verification_does_not_pay() -> None:
+    policy = DraftPolicy(4)
+    assert policy.choose("a", 1, 1.0, 4) == 4  # nothing measured: it tries
+    # A verified row costs as much as the plain step; 1 of 4 drafts is accepted.
+    for rows in range(1, 6):
+        for _ in range(3):
+            policy.observe_step(rows, 1e-3 * rows)
+    for _ in range(5):
+        policy.record("a", 4, 0)
+    choices = [policy.choose("a", 1, 1.0, 4) for _ in range(32)]
+    # Plain decodes, but every 16th step probes with one draft.
+    assert choices == ([0] * 15 + [1]) * 2
+
+
+def test_policy_drafts_as_far_as_acceptance_pays() -> None:
+    policy = DraftPolicy(4)
+    # A bandwidth-bound step: each verified row adds 5% to the step.
+    for rows in (1, 2, 5):
+        policy.observe_step(rows, 1e-3 * (1 + 0.05 * (rows - 1)))
+    for _ in range(10):
+        policy.record("a", 4, 4)
+        policy.record("b", 4, 0)
+    assert policy.acceptance("a") > 0.9 and policy.acceptance("b") < 0.2
+    assert policy.choose("a", 1, 1.0, 4) == 4
+    assert policy.choose("a", 1, 1.0, 2) == 2  # never beyond the room it is given
+    assert policy.choose("b", 1, 1.0, 4) in (0, 1)  # a draft is worth 10%, costs 5%
+    # Cost in rows the engine has not run is interpolated between measured counts.
+    assert policy.step_cost(3) == pytest.approx(1.1e-3)
 
 
 # --- stops inside an accepted run ------------------------------------------------------
@@ -310,3 +380,50 @@ def test_drafts_are_asked_for_only_when_their_slots_fit(num_kv_blocks: int, aske
     batch = core.scheduler.schedule()
     assert proposer.calls == asked
     assert (batch.num_draft_tokens > 0) == (asked > 0)
+
+
+def test_bf16_decode_plan_greedy_parity_with_any_draft_counts() -> None:
+    # The shipped default model in bfloat16 takes the native decode plan: a row's tokens
+    # must not depend on how many rows (drafts, other requests) share its step, nor on a
+    # step growing past the plan's row limit because of drafts (ops/kernels.c tiles;
+    # Scheduler.spec_max_rows).
+    from nbengine.model.loader import resolve_model_dir
+    from nbengine.ops import native
+
+    if native.kernels() is None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    path = resolve_model_dir(None, None)
+
+    class RandomIds:
+        """Drafts of random ids: nearly all rejected, so the row counts vary widely."""
+
+        def __init__(self, seed: int) -> None:
+            self.rng = random.Random(seed)
+
+        def draft(self, request_id: str, token_ids: Any, max_tokens: int) -> list[int]:
+            return [self.rng.randrange(3, 6144) for _ in range(max_tokens)]
+
+        def forget(self, request_id: str) -> None:
+            pass
+
+    prompts = {f"r{i}": prompt_of(70 + i, 20 + 7 * i) for i in range(4)}
+    kw: dict[str, Any] = dict(dtype="bfloat16", block_size=16, num_kv_blocks=64)
+    base = run(path, prompts, greedy(120), None, **kw)
+    for seed in range(2):
+        config = EngineConfig.from_kwargs(str(path), speculative_config=SPEC, **kw)
+        core = EngineCore(config, ModelRunner)
+        core.scheduler.spec_policy = RandomK(4, seed)
+        core.scheduler.proposer = RandomIds(seed)
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            core.add_request(EngineCoreRequest(rid, prompt, greedy(120), arrival_time=float(i)))
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        drafts = 0
+        while core.has_unfinished_requests():
+            batch = core.step()
+            assert batch.step is not None
+            drafts += batch.step.spec_draft_tokens
+            for out in batch.outputs:
+                tokens[out.request_id] += out.new_token_ids
+        core.shutdown()
+        assert drafts > 0
+        assert tokens == base.tokens

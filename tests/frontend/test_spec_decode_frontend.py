@@ -22,6 +22,7 @@ from nbengine.model.tokenizer import Tokenizer
 from nbengine.outputs import Logprob
 
 from support.scenarios import abort_and_readd_race
+from support.spec_policies import always_draft
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 KW = dict(num_kv_blocks=256, block_size=16, max_num_seqs=8, dtype="float32")
@@ -37,6 +38,7 @@ def greedy(n: int = 40, **kw: object) -> nb.SamplingParams:
 def engines(tiny_model: Path):
     with nb.Engine(str(tiny_model), **KW) as plain:
         with nb.Engine(str(tiny_model), speculative_config=SPEC, **KW) as spec:
+            always_draft(spec)  # drafts on every step, whatever the host's timing
             yield plain, spec
 
 
@@ -108,6 +110,7 @@ def test_llm_passes_speculative_config_through(tiny_model: Path) -> None:
         nb.LLM(str(tiny_model), speculative_config={"method": "ngram"})
     with nb.LLM(str(tiny_model), speculative_config=SPEC, **KW) as llm:
         assert llm.engine.config.speculative.num_speculative_tokens == 4
+        always_draft(llm.engine)
         out = llm.generate([PROMPT], greedy(), use_tqdm=False)[0]
         assert out.metrics is not None and out.metrics.num_spec_accepted_tokens > 0
 

@@ -57,6 +57,23 @@ def test_linear_matches_f_linear(m: int, n: int, k: int) -> None:
         assert torch.equal(again, got)
 
 
+@pytest.mark.parametrize("n,k", [(64, 32), (37, 100), (960, 576), (688, 258)])
+def test_linear_row_is_the_same_in_any_batch(n: int, k: int) -> None:
+    # A row's product must not depend on the rows beside it (tiles of 4 rows, single
+    # rows): a request's greedy tokens are then the same alone, in a batch, or with
+    # speculative drafts beside it (docs/speculative-decoding.md, "Exactness").
+    assert kernels is not None
+    w, b = _bf16(n, k, seed=4), _bf16(n, seed=5)
+    packed = native.pack_linear_weight(w)
+    x = _bf16(13, k, seed=6)
+    for m in (2, 3, 4, 5, 8, 13):
+        for out_dtype in (BF16, torch.float32):
+            got = kernels.linear(x[:m].contiguous(), packed, n, b, out_dtype=out_dtype)
+            for i in range(m):
+                one = kernels.linear(x[i : i + 1].contiguous(), packed, n, b, out_dtype=out_dtype)
+                assert torch.equal(got[i], one[0]), (m, i, out_dtype)
+
+
 def test_native_linear_module_and_arena() -> None:
     assert kernels is not None
     arena = WeightArena(1 << 20)
