@@ -43,6 +43,7 @@ import os
 import struct
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ import torch
 from nbengine.model.files import open_regular
 from nbengine.model.weights import read_safetensors_header
 
-__all__ = ["CACHE_FORMAT", "LoadCache", "cache_root", "checkpoint_identity"]
+__all__ = ["CACHE_FORMAT", "LoadCache", "cache_root", "checkpoint_identity", "wait_for_stores"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,34 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
             f.write(bytes(pad))
             if t.numel():
                 f.write(t.contiguous().view(torch.uint8).view(-1).numpy().data)
+
+
+# Entries being written by background threads (``LoadCache.store_tensors``).
+_stores: list[threading.Thread] = []
+_stores_lock = threading.Lock()
+
+
+def wait_for_stores(timeout: float | None = None) -> bool:
+    """Wait until every entry being written in the background is written (or
+    ``timeout`` seconds pass); True when none is left. Process exit waits for them too."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _stores_lock:
+        threads = list(_stores)
+    for thread in threads:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        thread.join(left)
+    with _stores_lock:
+        _stores[:] = [t for t in _stores if t.is_alive()]
+        return not _stores
+
+
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority (Linux: nice is per thread), so a background store
+    takes the cores only when the engine leaves them."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _header_hash(path: Path) -> str:
@@ -230,18 +259,35 @@ class LoadCache:
             return None
         return {name: (views[f"{name}.qweight"], views[f"{name}.scales"]) for name in shapes}
 
-    def store(self, quantized: Quantized) -> None:
+    def store(self, quantized: Quantized, background: bool = False) -> None:
         """Store the quantized layers ``quantized`` (``store_tensors``)."""
         tensors: dict[str, torch.Tensor] = {}
         for name, (q, s) in quantized.items():
             tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = q, s
-        self.store_tensors(tensors)
+        self.store_tensors(tensors, background)
 
-    def store_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def store_tensors(self, tensors: dict[str, torch.Tensor], background: bool = False) -> None:
         """Write the entry (atomically: a temporary file renamed), and delete entries made
         from an older state of the same checkpoint with the same options. A failure to
-        write (disk full, read-only) is logged, never raised: the cache only saves time."""
+        write (disk full, read-only) is logged, never raised: the cache only saves time.
+
+        ``background``: in a thread of lower priority, so the load does not wait for the
+        write (writing 2.5 GB took seconds here: fresh page-cache pages); ``tensors`` must
+        not change meanwhile. ``wait_for_stores`` waits for it, and so does process exit
+        (a killed process leaves a temporary file, deleted by a later store)."""
         if self.root is None:
+            return
+        if background:
+
+            def write() -> None:
+                _lower_priority()
+                self.store_tensors(tensors)
+
+            thread = threading.Thread(target=write, name="nbengine-load-cache-store")
+            with _stores_lock:
+                _stores[:] = [t for t in _stores if t.is_alive()]
+                _stores.append(thread)
+            thread.start()
             return
         target = self.weights_file
         assert target is not None

@@ -665,7 +665,7 @@ def _quantize(
         bar.update()
     logger.info("Quantized %d linear layers to %s.", len(targets), mode)
     if made:
-        cache.store(made)
+        cache.store(made, background=True)
 
 
 def load_model(

@@ -96,8 +96,8 @@ class PackedCache:
     def store(self, model: nn.Module) -> bool:
         """Store the packed weights of ``model`` after ``pack_linears``: only when every
         target became a ``NativeLinear`` (else a later load could not take them all; a
-        oneDNN twin is not stored, a later load makes it again). Returns whether it
-        wrote the entry."""
+        oneDNN twin is not stored, a later load makes it again). The entry is written in
+        the background (``load_cache.wait_for_stores``). Returns whether it stores one."""
         if not self.enabled:
             return False
         tensors: dict[str, torch.Tensor] = {}
@@ -107,5 +107,5 @@ class PackedCache:
                 logger.info("Not caching the packed weights: %s is not natively packed.", name)
                 return False
             tensors[_entry_name(name)] = layer.packed_weight
-        self.cache.store_tensors(tensors)
+        self.cache.store_tensors(tensors, background=True)
         return True

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import nbengine as nb
+from nbengine.model.load_cache import wait_for_stores
 from nbengine.ops import native
 from nbengine.testing import make_tiny_model
 
@@ -57,7 +58,8 @@ def cache_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFix
 def _greedy(path: Path, **kw: object) -> list[list[int]]:
     with nb.LLM(str(path), **KW, **kw) as llm:  # type: ignore[arg-type]
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+    assert wait_for_stores(60)  # an entry it stores is written in the background
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _uncached(path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
@@ -145,6 +147,7 @@ def test_a_damaged_entry_is_a_miss_and_is_deleted(
         # The damaged entry was deleted before this load stored a new one.
         assert any("unusable" in r.getMessage() for r in cache_log.records)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert wait_for_stores(60)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert _hits(cache_log) == 0
     assert _greedy(model_dir) == want and _hits(cache_log) == 1  # stored again, read
