@@ -1,7 +1,6 @@
 """The load cache: what a load made from a checkpoint (quantized weights, or bfloat16
 weights packed for the native kernels), kept on disk, so that the next load of the same
-checkpoint with the same options maps it instead of making it again (docs/quantization.md,
-"The load cache").
+checkpoint with the same options maps it instead of making it again (docs/load-cache.md).
 
 An entry is one safetensors file of named tensors (a quantized layer's
 ``<module>.qweight`` / ``<module>.scales``, a packed layer's ``<module>.packed``) and a

@@ -1,6 +1,6 @@
 """Loading from the mapped checkpoint, the load cache of quantized models, and the load's
 progress bar (model/loader.py, model/load_cache.py, model/progress.py;
-docs/quantization.md, "The load cache")."""
+docs/quantization.md; docs/load-cache.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """bfloat16 weights packed for the native kernels, kept in the load cache
-(model/packed_cache.py, model/load_cache.py; docs/quantization.md, "The load cache")."""
+(model/packed_cache.py, model/load_cache.py; docs/load-cache.md)."""
 
 from __future__ import annotations
 
