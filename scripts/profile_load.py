@@ -8,8 +8,9 @@ Run in a fresh process per configuration:
 It prints one JSON line: seconds from process start to ``import nbengine`` done, to the
 engine ready (``Engine()`` returned) and to the first token of a 16-token greedy request;
 the cumulative seconds of each load phase (cProfile, by function); the resident and peak
-memory (VmRSS, VmHWM) after the load and after the first token; and the weight bytes +
-KV cache bytes of the engine's memory plan.
+memory (VmRSS, VmHWM) after the load and after the first token; the weight bytes + KV
+cache bytes of the engine's memory plan; and the decode tokens/s of one more greedy
+request (``--decode-tokens``, 64 by default; 0 skips it).
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=64,
+        help="then one more greedy request of this many tokens: decode tokens/s (0: none)",
+    )
     args = ap.parse_args()
     start = _process_start()
     import torch
@@ -94,6 +101,14 @@ def main() -> None:
             first.append(time.time())
     t_done = time.time()
     mem_after = _status()
+    decode_tps = None
+    if args.decode_tokens:
+        sp = nb.SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+        stamps: list[float] = []
+        for _out in engine.generate(list(range(5, 37)), sp):
+            stamps.append(time.time())
+        # From the first token to the last: decode only (the prefill is before the first).
+        decode_tps = round((len(stamps) - 1) / (stamps[-1] - stamps[0]), 2)
     plan = engine._core.runner.memory_plan  # type: ignore[attr-defined]
     stats = pstats.Stats(prof)
     phases: dict[str, float] = {}
@@ -115,6 +130,7 @@ def main() -> None:
                 "start_to_ready_s": round(t_ready - start, 2),
                 "start_to_first_token_s": round(first[0] - start, 2),
                 "sixteen_tokens_s": round(t_done - t_ready, 2),
+                "decode_tokens_per_s": decode_tps,
                 "phases_s": {k: round(v, 2) for k, v in sorted(phases.items())},
                 "rss_ready_gib": round(mem_ready["VmRSS"] / gib, 3),
                 "peak_load_gib": round(mem_ready["VmHWM"] / gib, 3),

@@ -29,8 +29,9 @@ from typing import Any
 import pytest
 import torch
 
-# Quantized loads in tests write their load cache (model/load_cache.py) here, never into
-# the user's cache; the worker processes of the bench and server tests inherit it.
+# Quantized and bfloat16 loads in tests write their load cache (model/load_cache.py:
+# quantized or packed weights) here, never into the user's cache; the worker processes
+# of the bench and server tests inherit it.
 os.environ.setdefault("NBENGINE_LOAD_CACHE", tempfile.mkdtemp(prefix="nbengine-load-cache-"))
 
 import nbengine as nb

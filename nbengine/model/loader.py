@@ -39,6 +39,7 @@ from nbengine.model.files import is_regular_file, open_regular, read_json
 from nbengine.model.gemma import GEMMA_ACTIVATIONS, GEMMA_ARCHITECTURES, GemmaArgs, GemmaForCausalLM
 from nbengine.model.gpt2 import GPT2Args, GPT2LMHeadModel
 from nbengine.model.llama import DecoderArgs, LlamaForCausalLM
+from nbengine.model.packed_cache import PackedCache
 from nbengine.model.progress import LoadProgress, progress_enabled
 from nbengine.model.tokenizer import Tokenizer
 from nbengine.model.weights import (
@@ -90,6 +91,10 @@ class LoadedModel:
     # Set when every attention layer is windowed: the largest window, behind which the KV
     # cache frees blocks (core/kv_cache.py); None otherwise.
     kv_sliding_window: int | None = None
+    # With ``pack_cache``: the layers mapped packed from the load cache (a hit), or, on a
+    # miss, the entry to store once ``pack_linears`` has packed them (model/packed_cache.py).
+    packed_from_cache: int = 0
+    pack_cache: PackedCache | None = None
 
 
 def resolve_model_dir(model: str | Path | None, revision: str | None = None) -> Path:
@@ -532,7 +537,8 @@ def load_weights(
     dtype: torch.dtype,
     quantization: str | None = None,
     progress: bool | None = None,
-) -> None:
+    pack_cache: Callable[[], bool] | None = None,
+) -> tuple[int, PackedCache | None]:
     """Fill every parameter of ``model`` from the checkpoint, checking names and shapes.
 
     With ``quantization``, every ``nn.Linear`` becomes a ``QuantLinear`` (ops/quant.py)
@@ -541,11 +547,32 @@ def load_weights(
     full-precision weight is never filled), or read from the load cache when an entry
     for this checkpoint and options exists (model/load_cache.py). ``progress`` None:
     the bar shows where someone watches (model/progress.py).
+
+    ``pack_cache`` (bfloat16, no quantization; the caller packs for the native kernels):
+    the layers ``pack_linears`` would pack are taken from the load cache's packed entry
+    when there is one (model/packed_cache.py); ``pack_cache()`` says whether they carry a
+    oneDNN twin, made from their weights (then read, or mapped where the layout allows),
+    else their weights are not read at all. Returns how many layers it took from the
+    entry, and on a miss the entry to store after packing (None without ``pack_cache`` or
+    with the cache off).
     """
     files = _weight_files(path)
     targets = _quant_targets(model) if quantization is not None else []
     params = dict(model.named_parameters())
     from_file = {f"{name}.weight" for name, _ in targets} & set(weight_map)
+    packing: PackedCache | None = None
+    packed: dict[str, torch.Tensor] | None = None
+    twin = False
+    if pack_cache is not None and quantization is None and dtype == torch.bfloat16:
+        packing = PackedCache(model, path, files)
+        packed = packing.restore()
+        twin = packed is not None and pack_cache()
+        if packed is not None and not twin:  # a hit: those layers' weights are never read
+            from_file = {f"{name}.weight" for name in packed} & set(weight_map)
+    # A twin is made from the weight: read it from the mapped file where it can be.
+    mappable = _mappable(model) | (
+        {f"{name}.weight" for name in packed} if packed is not None and twin else set()
+    )
     with ExitStack() as stack:
         ckpt = _Checkpoint(files, path, stack)
         bar = stack.enter_context(
@@ -557,7 +584,6 @@ def load_weights(
                 else progress,
             )
         )
-        mappable = _mappable(model)
         for ours, sources in weight_map.items():
             if ours in from_file:
                 continue  # quantized straight from the file below
@@ -567,7 +593,13 @@ def load_weights(
         assert not missing, f"parameters without a source: {sorted(missing)}"
         if quantization is not None:
             _quantize(model, targets, weight_map, ckpt, quantization, dtype, bar)
+        taken = 0
+        if packing is not None and packed is not None:
+            taken = packing.install(model, packed, twin)  # frees the mapped weights
         ckpt.release_pages()  # nothing has written to the mapped views yet
+    if packing is None or packed is not None or not packing.enabled:
+        return taken, None
+    return 0, packing  # a miss: the caller stores the entry once it has packed
 
 
 def _mappable(model: nn.Module) -> set[str]:
@@ -633,13 +665,21 @@ def _quantize(
         bar.update()
     logger.info("Quantized %d linear layers to %s.", len(targets), mode)
     if made:
-        cache.store(made)
+        cache.store(made, background=True)
 
 
 def load_model(
-    config: ModelConfig, before_weights: Callable[..., None] | None = None
+    config: ModelConfig,
+    before_weights: Callable[..., None] | None = None,
+    pack_cache: Callable[[], bool] | None = None,
 ) -> LoadedModel:
     """Load the model named by ``config`` (directory, dtype, max_model_len).
+
+    ``pack_cache``: the caller packs the bfloat16 linear layers for the native kernels
+    (``pack_linears``; ``pack_cache()``, called after ``before_weights``, says whether
+    with oneDNN twins); they come packed from the load cache where an entry exists
+    (``LoadedModel.packed_from_cache``), else ``LoadedModel.pack_cache`` is the entry to
+    store once they are packed (``load_weights``).
 
     ``before_weights(weight_files, hf_config, architecture, dtype, max_model_len)`` runs
     once the shape is known and before any weight is allocated (the memory plan's hook,
@@ -659,7 +699,9 @@ def load_model(
     _retype(model, dtype)
     # With quantization, weight-only quantization of every linear layer, tensor by tensor
     # from the mapped file (ops/quant.py; docs/quantization.md).
-    load_weights(model, model.hf_weight_map(), path, dtype, config.quantization)
+    from_cache, to_store = load_weights(
+        model, model.hf_weight_map(), path, dtype, config.quantization, pack_cache=pack_cache
+    )
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             # model.to(dtype) cast the rope tables too; they stay float32 for exactness.
@@ -679,4 +721,6 @@ def load_model(
         path=path,
         tokenizer=tokenizer,
         kv_sliding_window=kv_window(model.layer_windows),
+        packed_from_cache=from_cache,
+        pack_cache=to_store,
     )

@@ -50,7 +50,11 @@ from nbengine.ops.attention import (
     StagedAttention,
     build_attention_metadata,
 )
-from nbengine.ops.linear import ONEDNN_MIN_ROWS, pack_linears
+from nbengine.ops.linear import (
+    ONEDNN_MIN_ROWS,
+    linear_mode,
+    pack_linears,
+)
 from nbengine.ops.quant import DENSE_MIN_ROWS, dense_supported
 from nbengine.ops.rejection import accepted_drafts
 from nbengine.ops.sampling import Sampler, topk_logprobs
@@ -185,8 +189,18 @@ class ModelRunner:
         ) -> None:
             plans.append(plan_memory(config, files, cfg, arch, dtype, max_len))
 
+        # bfloat16 weights packed for the native kernels come from the load cache where it
+        # has them (model/packed_cache.py; a oneDNN twin, as the plan decides, is made
+        # again from the weights); not on the device path.
+        pack_cache = (
+            (lambda: plans[0].onednn_twin_bytes > 0)
+            if config.model.quantization is None
+            and not self.device_path
+            and linear_mode() != "onednn"
+            else None
+        )
         # Weights + KV cache are checked against free memory before any weight is loaded.
-        loaded: LoadedModel = load_model(config.model, before_weights=plan)
+        loaded: LoadedModel = load_model(config.model, before_weights=plan, pack_cache=pack_cache)
         self.memory_plan: MemoryPlan = plans[0]
         self.loaded = loaded
         self.model: CausalLM = loaded.model
@@ -206,7 +220,15 @@ class ModelRunner:
             twin = self.memory_plan.onednn_twin_bytes > 0
             n_packed = pack_linears(loaded.model, config.scheduler.max_num_seqs, twin)
             how = " (with oneDNN twins)" if twin else ""
-            logger.info("Packed %d bfloat16 linear layers%s.", n_packed, how)
+            logger.info(
+                "Packed %d bfloat16 linear layers%s (%d more from the load cache).",
+                n_packed,
+                how,
+                loaded.packed_from_cache,
+            )
+            if loaded.pack_cache is not None:  # a miss: store them for the next load
+                loaded.pack_cache.store(loaded.model)
+                loaded.pack_cache = None
             if twin:
                 # Larger decode steps take the module path, whose products use the twins.
                 plan_max_rows = ONEDNN_MIN_ROWS - 1

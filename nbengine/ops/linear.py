@@ -136,14 +136,24 @@ class NativeLinear(nn.Module):
         kernels: native.NativeKernels,
         arena: WeightArena | None = None,
         onednn_twin: bool = False,
+        packed: torch.Tensor | None = None,
     ) -> None:
+        """``linear``'s weight packed (into ``arena`` when given); with ``packed``, that
+        weight already packed (``pack_linear_weight``'s layout, flat: e.g. a view of a
+        load cache entry, model/load_cache.py), and ``linear.weight`` is read only for a
+        ``onednn_twin``."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self._kernels = kernels
         shape = (native.packed_linear_numel(self.out_features, self.in_features),)
-        out = arena.take(shape, torch.bfloat16) if arena is not None else None
-        w = native.pack_linear_weight(linear.weight.detach(), out)
+        if packed is not None:
+            if tuple(packed.shape) != shape or packed.dtype != torch.bfloat16:
+                raise ValueError(f"a packed weight of {shape} bfloat16 expected")
+            w = packed
+        else:
+            out = arena.take(shape, torch.bfloat16) if arena is not None else None
+            w = native.pack_linear_weight(linear.weight.detach(), out)
         self.register_buffer("packed_weight", w, persistent=False)
         b = linear.bias
         self.register_buffer(

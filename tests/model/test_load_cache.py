@@ -1,6 +1,6 @@
 """Loading from the mapped checkpoint, the load cache of quantized models, and the load's
 progress bar (model/loader.py, model/load_cache.py, model/progress.py;
-docs/quantization.md, "The load cache")."""
+docs/quantization.md; docs/load-cache.md)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import nbengine as nb
 from nbengine.config import ModelConfig
+from nbengine.model.load_cache import wait_for_stores
 from nbengine.model.loader import build_model, load_model, read_hf_config
 from nbengine.ops.quant import quantize_linears
 from nbengine.ops.rotary import RotaryEmbedding
@@ -103,7 +104,8 @@ def test_mapped_load_equals_the_old_load(
 def _greedy(path: Path, **kw: object) -> list[list[int]]:
     with nb.LLM(str(path), **KW, **kw) as llm:  # type: ignore[arg-type]
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+    assert wait_for_stores(60)  # an entry it stores is written in the background
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _entries(root: Path) -> list[Path]:
