@@ -74,7 +74,7 @@ _SIGNATURES: dict[str, list[type]] = {
     ],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _P, _P],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
-    "nb_lora_bf16": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+    "nb_lora_bf16": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
     "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
@@ -102,8 +102,11 @@ class NativeKernels:
         self._cached_attention = lib.nb_cached_attention_bf16
         self._rope_attention = lib.nb_rope_attention_bf16
         self._argmax = lib.nb_argmax_f32
-        self._lora = lib.nb_lora_bf16
-        self._lora.restype = ctypes.c_int
+        # Raw entry point of the LoRA deltas (``lora_`` checks its arguments; the per-linear
+        # hook of nbengine/lora/layers.py calls this with arguments built once per step);
+        # it returns -1, writing nothing, for a slot or part out of range.
+        self.lora_raw = lib.nb_lora_bf16
+        self.lora_raw.restype = ctypes.c_int
         self._linear_q8 = lib.nb_linear_q8
         self._linear_q4 = lib.nb_linear_q4
         self._dequantize = lib.nb_dequantize_bf16
@@ -395,47 +398,64 @@ class NativeKernels:
         slots: torch.Tensor,
         a: torch.Tensor,
         b: torch.Tensor,
+        parts: torch.Tensor,
         num_threads: int = 1,
     ) -> None:
-        """``out[r] += b[s].T @ (a[s] @ x[r])`` for ``s = slots[r] >= 0``, in place.
+        """LoRA deltas in place: for each row ``m`` with ``s = slots[m] >= 0``, part ``p``
+        of ``parts`` (``(c, r, o, n)``: rank columns ``c .. c+r-1``, outputs ``o .. o+n-1``)
+        adds ``B_p[s].T @ (a[s] @ x[m])[c : c + r]`` to ``out[m, o : o + n]``.
 
         ``x`` bfloat16 ``[M, K]``, ``out`` bfloat16 ``[M, N]``, ``slots`` int32 ``[M]``
-        (-1: the row is left as it is), ``a`` float32 ``[S, R, K]``, ``b`` float32
-        ``[S, R, N]``, all contiguous; the sums are float32 and ``out`` is rounded to
-        bfloat16 once. Raises ValueError on shapes, dtypes or slots that do not fit (the
-        kernel reads no memory outside its arguments).
+        (-1: the row is left as it is), ``a`` bfloat16 ``[S, R, K]``, ``b`` bfloat16
+        ``[S, BS]`` (each slot's parts' ``B_p`` ``[r, n]``, part after part), ``parts``
+        int64 ``[P, 4]``, all contiguous; the sums are float32 and ``out`` is rounded to
+        bfloat16 once. Raises ValueError on shapes, dtypes, slots or parts that do not fit
+        (the kernel reads no memory outside its arguments); ``out`` is then unchanged.
         """
         m, k = x.shape
-        s, r, n = b.shape
+        s, r = a.shape[0], a.shape[1]
+        n = out.shape[-1]
         if not (
-            x.dtype == out.dtype == torch.bfloat16
-            and a.dtype == b.dtype == torch.float32
+            x.dtype == out.dtype == a.dtype == b.dtype == torch.bfloat16
             and slots.dtype == torch.int32
+            and parts.dtype == torch.int64
             and out.shape == (m, n)
             and a.shape == (s, r, k)
+            and b.dim() == 2
+            and b.shape[0] == s
+            and parts.dim() == 2
+            and parts.shape[1] == 4
             and slots.shape == (m,)
-            and all(t.is_contiguous() for t in (x, out, slots, a, b))
+            and all(t.is_contiguous() for t in (x, out, slots, a, b, parts))
         ):
             raise ValueError(
                 f"lora_: x {tuple(x.shape)} {x.dtype}, out {tuple(out.shape)} {out.dtype}, "
                 f"slots {tuple(slots.shape)} {slots.dtype}, a {tuple(a.shape)} {a.dtype}, "
-                f"b {tuple(b.shape)} {b.dtype} do not fit (see the docstring)."
+                f"b {tuple(b.shape)} {b.dtype}, parts {tuple(parts.shape)} {parts.dtype} "
+                "do not fit (see the docstring)."
             )
-        status = self._lora(
+        status = self.lora_raw(
             x.data_ptr(),
             out.data_ptr(),
             slots.data_ptr(),
             a.data_ptr(),
             b.data_ptr(),
+            parts.data_ptr(),
             m,
             k,
             n,
             s,
             r,
+            parts.shape[0],
+            b.shape[1],
             num_threads,
         )
         if status:
-            raise ValueError(f"lora_: slots holds a slot outside -1 .. {s - 1}; out is unchanged.")
+            raise ValueError(
+                f"lora_: slots holds a slot outside -1 .. {s - 1}, or parts a part outside "
+                f"the {r} rank columns, {n} outputs or {b.shape[1]} values of b; out is "
+                "unchanged."
+            )
 
     @staticmethod
     def cached_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
