@@ -30,9 +30,12 @@ no block-diagonal ``B``, so no zeros are stored, read or multiplied. Adapters of
 rank in a part, or without the part, are zero-padded to the part's largest rank (exact
 zeros).
 
-Native: on a bfloat16 CPU base, a step of at most ``NATIVE_MAX_ROWS`` adapter rows runs
-each hooked linear's deltas in one call of ``nb_lora_bf16`` (ops/kernels.c) on the same
-packed factors, with the adapter slot of each row built once per step (``_slots``).
+Native: on a bfloat16 CPU base every step runs each hooked linear's deltas in one call
+of ``nb_lora_bf16`` (ops/kernels.c) on the same factors as it streams them
+(``native.pack_lora_factors``), with the adapter slot of each row built once per step
+(``_slots``). Prefill steps too: torch's bfloat16 ``bmm`` on this CPU (no AMX) took
+about 3 ms per hook for a 512-row step, the kernel under 1 ms. The ``bmm`` path serves
+float32 bases, other devices and ``NBENGINE_NATIVE=0``.
 
 Threads: the hooks run on the core thread; ``add``/``remove`` run there too (between
 steps, as UTILITY calls), so no lock is needed.
@@ -50,11 +53,14 @@ from torch import nn
 from nbengine.lora.adapter import AdapterWeights
 from nbengine.ops import native
 
-__all__ = ["NATIVE_MAX_ROWS", "LoRALayers"]
+__all__ = ["NATIVE_PARALLEL_ROWS", "LoRALayers"]
 
-# Steps with up to this many adapter rows take the native kernel on a bfloat16 base (one
-# call per hooked linear); above it, the batched matmuls (module docstring, "Native").
-NATIVE_MAX_ROWS = 128
+# Steps with at least this many adapter rows split each native call between the torch
+# threads; below it, one thread: a call of a decode step is tens of microseconds, about
+# what waking an OpenMP worker costs (more on a loaded machine). Measured 2026-12-02, 30
+# layers of the bench model, 4 rank-16 adapters, 2 threads vs 1 at load 2.6-3.0: 16 rows
+# 15-18 vs 3.0-3.3 ms per step, 64 rows 19-21 vs 13 ms, 512 rows 58-86 vs 83 ms.
+NATIVE_PARALLEL_ROWS = 256
 
 
 class _Source(Protocol):
@@ -126,8 +132,18 @@ class _Target:
                     fa, fbt = got
                     a[slot, c : c + fa.shape[0]] = fa
                     b_part[slot, : fa.shape[0]] = fbt
+        native_a = native_b = None
+        if a.dtype == torch.bfloat16 and a.device.type == "cpu":
+            native_a, native_b = native.pack_lora_factors(a, b_parts)
         return _Packed(
-            ids, a, b, tuple(b_parts), tuple(spans), torch.tensor(spans, dtype=torch.int64)
+            ids,
+            a,
+            b,
+            tuple(b_parts),
+            tuple(spans),
+            torch.tensor(spans, dtype=torch.int64),
+            native_a,
+            native_b,
         )
 
 
@@ -141,6 +157,10 @@ class _Packed:
     b_parts: tuple[torch.Tensor, ...]  # views of ``b``: part p's [slots, r_p, n_p]
     spans: tuple[tuple[int, int, int, int], ...]  # per part (c_p, r_p, first output, n_p)
     parts: torch.Tensor  # ``spans`` as int64 [P, 4] on the CPU (the native kernel's)
+    # The same factors as nb_lora_bf16 streams them (native.pack_lora_factors), on a
+    # bfloat16 CPU base only (None otherwise).
+    native_a: torch.Tensor | None = None
+    native_b: torch.Tensor | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -180,7 +200,7 @@ class LoRALayers:
         self._rows: dict[int, list[int]] | None = None
         self._grouped: dict[tuple[int, ...], _Groups | None] = {}
         # The native path of the step (begin_step): the step's row count when it may run
-        # (CPU, at most NATIVE_MAX_ROWS adapter rows), else 0; and each adapter set's slot
+        # (on the CPU), else 0; and each adapter set's slot
         # per row (int32, -1: base row), built once per step (_slots).
         self._native_rows = 0
         self._native_threads = 1
@@ -283,10 +303,8 @@ class LoRALayers:
             row += n
         self._rows = rows or None
         adapter_rows = sum(len(r) for r in rows.values())
-        self._native_rows = (
-            row if self.device.type == "cpu" and adapter_rows <= NATIVE_MAX_ROWS else 0
-        )
-        self._native_threads = 1 if adapter_rows < native.SMALL_ROWS else torch.get_num_threads()
+        self._native_rows = row if self.device.type == "cpu" else 0
+        self._native_threads = 1 if adapter_rows < NATIVE_PARALLEL_ROWS else torch.get_num_threads()
         return self._rows is not None
 
     def end_step(self) -> None:
@@ -370,9 +388,11 @@ class LoRALayers:
         """The delta by the native kernel, one call (module docstring, "Native"); False
         (nothing done) where it does not apply: a float32 base, no kernels, a large step."""
         rows = self._native_rows
+        na, nb = packed.native_a, packed.native_b
         if (
             not rows
-            or packed.a.dtype != torch.bfloat16
+            or na is None
+            or nb is None
             or x.dtype != torch.bfloat16
             or out.dtype != torch.bfloat16
             or not x.is_contiguous()
@@ -391,16 +411,16 @@ class LoRALayers:
             x.data_ptr(),
             out.data_ptr(),
             self._slots(packed.ids).data_ptr(),
-            packed.a.data_ptr(),
-            packed.b.data_ptr(),
+            na.data_ptr(),
+            nb.data_ptr(),
             packed.parts.data_ptr(),
             rows,
             packed.a.shape[2],
             n,
-            packed.a.shape[0],
-            packed.a.shape[1],
+            na.shape[0],
+            na.shape[1] * 4,
             packed.parts.shape[0],
-            packed.b.shape[1],
+            nb.shape[1],
             self._native_threads,
         )
         if status:

@@ -720,97 +720,114 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
  * x bf16 [M, K], y bf16 [M, N] updated in place; slot int32 [M], -1 for a row without
  * adapter (left untouched). A layer's output is P parts (one for a plain linear; q/k/v or
  * gate/up for a fused one, model/weight_map.py): parts int64 [P, 4] holds each part's
- * (first rank column c, rank r, first output o, outputs n). A bf16 [S, R, K] is each
- * slot's shrink, the parts' A stacked (rank columns c .. c + r - 1 for part p, zero rows
- * where a slot's rank is lower); B bf16 [S, BS] holds each slot's expands, part after
- * part, each transposed ([r, n], the scale folded in; BS = the sum of r n). So part p's
- * outputs get B_p^T h[c .. c + r - 1] only: no block-diagonal zeros are read, and a
- * fused layer's shrink is one pass over x for all its parts.
+ * (first rank column c, rank r, first output o, outputs n). Each slot's shrink A [R, K]
+ * holds the parts' A stacked (rank columns c .. c + r - 1 for part p, zero rows where a
+ * slot's rank is lower), and its expands B_p [r, n] (transposed, the scale folded in)
+ * follow one another, part after part. So part p's outputs get B_p^T h[c .. c + r - 1]
+ * only: no block-diagonal zeros are read, and a fused layer's shrink is one pass over x
+ * for all its parts.
+ *
+ * Layout (ops/native.py, pack_lora_factors, writes it): both factors are read front to
+ * back as one stream, in the order the loops use them. A is [S, R4 / 4, K32 / 32, 4, 32]
+ * (R and K zero-padded to multiples of 4 and 32): four ranks' 32 inputs in 256 bytes;
+ * B is [S, BS], each part as [ceil(n / 16), r, 16] (outputs zero-padded to 16): a block
+ * of 16 outputs holds every rank's 16 values. The factors are memory bound (each is
+ * read once per step), so the loops prefetch the streams NB_PREFETCH_BYTES ahead, as
+ * the linear kernels do.
  *
  * The shrink h = A_s x is dot products of bf16 pairs (dpbf16: each product exact in
- * float32, float32 sums), the expand float32 on top of y's value, and y is rounded to
- * bf16 once (nbengine/lora/layers.py is the caller; its bmm path the reference). Rows
- * are sorted by slot and taken up to four of one slot at a time, so that every load of
- * the factors feeds four rows. One call does a whole hooked linear; with nthreads > 1
- * the tiles of rows are split between threads (a row's sums do not depend on the split,
- * so results are the same on any thread count). Returns 0, or -1 (and changes nothing)
- * if a slot is outside -1 .. S-1 or a part is outside R or N. */
+ * float32, float32 sums), the expand float32 (even and odd ranks summed apart, then
+ * added to y's value), and y is rounded to bf16 once (nbengine/lora/layers.py is the
+ * caller; its bmm path the reference). Rows are sorted by slot and taken up to four of
+ * one slot at a time, so that every load of the factors feeds four rows. One call does a
+ * whole hooked linear; with nthreads > 1 the tiles of rows are split between threads (a
+ * row's sums do not depend on the split, so results are the same on any thread count).
+ * Returns 0, or -1 (and changes nothing) if a slot is outside -1 .. S-1, a part outside
+ * R4 or N, or BS not the parts' size. */
 static inline __mmask32 nb_mask32(int64_t left) {
     return left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
 }
 
 static void nb_lora_tile(const uint16_t *x, uint16_t *y, const int32_t *rows, int nr,
                          const uint16_t *a, const uint16_t *b, const int64_t *parts,
-                         int64_t P, int64_t K, int64_t N, int64_t R, float *h /* [4, R] */) {
+                         int64_t P, int64_t K, int64_t N, int64_t R4, float *h /* [4, R4] */) {
+    const int64_t kc = (K + 31) / 32;
     const uint16_t *xr[4];
     for (int i = 0; i < 4; i++) xr[i] = x + rows[i < nr ? i : nr - 1] * K;  /* padding: repeat */
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) {  /* four ranks by four rows: sixteen independent sums */
+    for (int64_t g = 0; g < R4 / 4; g++) {  /* four ranks by four rows: sixteen sums */
         __m512 acc[4][4];
         for (int j = 0; j < 4; j++)
             for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 32) {
-            const __mmask32 mk = nb_mask32(K - k);
+        const uint16_t *ag = a + g * kc * 128;
+        for (int64_t c = 0; c < kc; c++) {
+            const uint16_t *ac = ag + c * 128;
+            const char *ahead = (const char *)ac + NB_PREFETCH_BYTES;
+            for (int l = 0; l < 4; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+            const __mmask32 mk = nb_mask32(K - c * 32);
             __m512bh av[4], xv[4];
-            for (int j = 0; j < 4; j++)
-                av[j] = (__m512bh)_mm512_maskz_loadu_epi16(mk, a + (r + j) * K + k);
-            for (int i = 0; i < 4; i++) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mk, xr[i] + k);
+            for (int j = 0; j < 4; j++) av[j] = (__m512bh)_mm512_loadu_si512(ac + 32 * j);
+            for (int i = 0; i < 4; i++)
+                xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mk, xr[i] + c * 32);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++)
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], av[j], xv[i]);
         }
         for (int j = 0; j < 4; j++)
-            for (int i = 0; i < 4; i++) h[i * R + r + j] = _mm512_reduce_add_ps(acc[j][i]);
-    }
-    for (; r < R; r++) {
-        __m512 acc[4];
-        for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 32) {
-            const __mmask32 mk = nb_mask32(K - k);
-            const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(mk, a + r * K + k);
-            for (int i = 0; i < 4; i++)
-                acc[i] = _mm512_dpbf16_ps(acc[i], av,
-                                          (__m512bh)_mm512_maskz_loadu_epi16(mk, xr[i] + k));
-        }
-        for (int i = 0; i < 4; i++) h[i * R + r] = _mm512_reduce_add_ps(acc[i]);
+            for (int i = 0; i < 4; i++) h[i * R4 + 4 * g + j] = _mm512_reduce_add_ps(acc[j][i]);
     }
     uint16_t *yr[4];
     for (int i = 0; i < 4; i++) yr[i] = y + rows[i < nr ? i : nr - 1] * N;
     const uint16_t *bp = b;
     for (int64_t p = 0; p < P; p++) {
         const int64_t c = parts[4 * p], pr = parts[4 * p + 1], o = parts[4 * p + 2];
-        const int64_t pn = parts[4 * p + 3];
-        for (int64_t n = 0; n < pn; n += 16) {
-            const __mmask16 mk = nb_mask(pn - n);
-            __m512 acc[4];
-            for (int i = 0; i < 4; i++) acc[i] = nb_load16(yr[i] + o + n, mk);
-            for (int64_t j = 0; j < pr; j++) {
-                const __m512 bv = nb_load16(bp + j * pn + n, mk);
+        const int64_t pn = parts[4 * p + 3], blocks = (pn + 15) / 16;
+        for (int64_t t = 0; t < blocks; t++) {
+            const uint16_t *bb = bp + t * pr * 16;
+            const char *ahead = (const char *)bb + NB_PREFETCH_BYTES;
+            for (int64_t l = 0; l < (pr * 32 + 63) / 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+            const __mmask16 mk = nb_mask(pn - t * 16);
+            __m512 even[4], odd[4];
+            for (int i = 0; i < 4; i++) even[i] = odd[i] = _mm512_setzero_ps();
+            int64_t j = 0;
+            for (; j + 2 <= pr; j += 2) {
+                const __m512 b0 = nb_load16(bb + j * 16, 0xffff), b1 = nb_load16(bb + j * 16 + 16, 0xffff);
 #pragma GCC unroll 4
-                for (int i = 0; i < 4; i++)
-                    acc[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(h[i * R + c + j]), acc[i]);
+                for (int i = 0; i < 4; i++) {
+                    even[i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[i]);
+                    odd[i] = _mm512_fmadd_ps(b1, _mm512_set1_ps(h[i * R4 + c + j + 1]), odd[i]);
+                }
             }
-            for (int i = 0; i < nr; i++) nb_store16_bf16(yr[i] + o + n, mk, acc[i]);  /* padding: not stored */
+            if (j < pr) {
+                const __m512 b0 = nb_load16(bb + j * 16, 0xffff);
+                for (int i = 0; i < 4; i++)
+                    even[i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[i]);
+            }
+            for (int i = 0; i < nr; i++) {  /* padding rows: not stored */
+                const __m512 d = _mm512_add_ps(even[i], odd[i]);
+                nb_store16_bf16(yr[i] + o + t * 16, mk,
+                                _mm512_add_ps(nb_load16(yr[i] + o + t * 16, mk), d));
+            }
         }
-        bp += pr * pn;
+        bp += blocks * pr * 16;
     }
 }
 
 int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint16_t *A,
                  const uint16_t *B, const int64_t *parts, int64_t M, int64_t K, int64_t N,
-                 int64_t S, int64_t R, int64_t P, int64_t BS, int nthreads) {
+                 int64_t S, int64_t R4, int64_t P, int64_t BS, int nthreads) {
     for (int64_t m = 0; m < M; m++)
         if (slot[m] < -1 || slot[m] >= S) return -1;
+    if (R4 % 4) return -1;
     int64_t bs = 0;
     for (int64_t p = 0; p < P; p++) {
         const int64_t c = parts[4 * p], pr = parts[4 * p + 1], o = parts[4 * p + 2];
         const int64_t pn = parts[4 * p + 3];
-        if (c < 0 || pr < 0 || c + pr > R || o < 0 || pn < 0 || o + pn > N) return -1;
-        bs += pr * pn;
+        if (c < 0 || pr < 0 || c + pr > R4 || o < 0 || pn < 0 || o + pn > N) return -1;
+        bs += pr * ((pn + 15) / 16) * 16;
     }
     if (bs != BS) return -1;
-    if (M == 0 || R == 0) return 0;
+    if (M == 0 || R4 == 0) return 0;
     /* rows with an adapter, by slot (a counting sort), then tiles of <= 4 rows of one slot */
     int32_t *order = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
     int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M + S));  /* first of each */
@@ -823,17 +840,18 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
                 order[used++] = (int32_t)m;
             }
     }
+    const int64_t a_slot = R4 * ((K + 31) / 32) * 32;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && ntiles > 1)
     {
-        float *h = (float *)malloc(sizeof(float) * (size_t)(4 * R));
+        float *h = (float *)malloc(sizeof(float) * (size_t)(4 * R4));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) {
             const int64_t first = tiles[t];
             const int32_t s = slot[order[first]];
             int nr = 1;
             while (nr < 4 && first + nr < used && slot[order[first + nr]] == s) nr++;
-            nb_lora_tile(x, y, order + first, nr, A + (int64_t)s * R * K, B + (int64_t)s * BS,
-                         parts, P, K, N, R, h);
+            nb_lora_tile(x, y, order + first, nr, A + (int64_t)s * a_slot, B + (int64_t)s * BS,
+                         parts, P, K, N, R4, h);
         }
         free(h);
     }

@@ -403,24 +403,24 @@ class NativeKernels:
     ) -> None:
         """LoRA deltas in place: for each row ``m`` with ``s = slots[m] >= 0``, part ``p``
         of ``parts`` (``(c, r, o, n)``: rank columns ``c .. c+r-1``, outputs ``o .. o+n-1``)
-        adds ``B_p[s].T @ (a[s] @ x[m])[c : c + r]`` to ``out[m, o : o + n]``.
+        adds ``B_p[s].T @ (A[s] @ x[m])[c : c + r]`` to ``out[m, o : o + n]``.
 
         ``x`` bfloat16 ``[M, K]``, ``out`` bfloat16 ``[M, N]``, ``slots`` int32 ``[M]``
-        (-1: the row is left as it is), ``a`` bfloat16 ``[S, R, K]``, ``b`` bfloat16
-        ``[S, BS]`` (each slot's parts' ``B_p`` ``[r, n]``, part after part), ``parts``
-        int64 ``[P, 4]``, all contiguous; the sums are float32 and ``out`` is rounded to
-        bfloat16 once. Raises ValueError on shapes, dtypes, slots or parts that do not fit
-        (the kernel reads no memory outside its arguments); ``out`` is then unchanged.
+        (-1: the row is left as it is), ``a`` and ``b`` the factors as
+        ``pack_lora_factors`` lays them out, ``parts`` int64 ``[P, 4]``, all contiguous;
+        the sums are float32 and ``out`` is rounded to bfloat16 once. Raises ValueError on
+        shapes, dtypes, slots or parts that do not fit (the kernel reads no memory outside
+        its arguments); ``out`` is then unchanged.
         """
         m, k = x.shape
-        s, r = a.shape[0], a.shape[1]
-        n = out.shape[-1]
+        s, n = a.shape[0], out.shape[-1]
         if not (
             x.dtype == out.dtype == a.dtype == b.dtype == torch.bfloat16
             and slots.dtype == torch.int32
             and parts.dtype == torch.int64
             and out.shape == (m, n)
-            and a.shape == (s, r, k)
+            and a.dim() == 5
+            and a.shape[2:] == ((k + 31) // 32, 4, 32)
             and b.dim() == 2
             and b.shape[0] == s
             and parts.dim() == 2
@@ -434,6 +434,7 @@ class NativeKernels:
                 f"b {tuple(b.shape)} {b.dtype}, parts {tuple(parts.shape)} {parts.dtype} "
                 "do not fit (see the docstring)."
             )
+        r4 = a.shape[1] * 4
         status = self.lora_raw(
             x.data_ptr(),
             out.data_ptr(),
@@ -445,7 +446,7 @@ class NativeKernels:
             k,
             n,
             s,
-            r,
+            r4,
             parts.shape[0],
             b.shape[1],
             num_threads,
@@ -453,7 +454,7 @@ class NativeKernels:
         if status:
             raise ValueError(
                 f"lora_: slots holds a slot outside -1 .. {s - 1}, or parts a part outside "
-                f"the {r} rank columns, {n} outputs or {b.shape[1]} values of b; out is "
+                f"the {r4} rank columns, {n} outputs or {b.shape[1]} values of b; out is "
                 "unchanged."
             )
 
@@ -462,6 +463,29 @@ class NativeKernels:
         """The kernel's shape limits: head_dim a multiple of 32 up to 128, at most 8 heads
         per KV head."""
         return head_dim % 32 == 0 and head_dim <= 128 and num_heads // num_kv_heads <= 8
+
+
+def pack_lora_factors(
+    a: torch.Tensor, b_parts: list[torch.Tensor] | tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LoRA factors in the layout ``nb_lora_bf16`` streams (kernels.c, "LoRA deltas"):
+    ``a`` ``[S, R, K]`` (the parts' shrinks stacked) as bfloat16 ``[S, ceil(R/4),
+    ceil(K/32), 4, 32]``, and each part's expand ``[S, r, n]`` (transposed) as ``[S,
+    ceil(n/16), r, 16]``, part after part, in one bfloat16 ``[S, BS]``; zero-padded."""
+    s, r, k = a.shape
+    r4, k32 = -(-r // 4) * 4, -(-k // 32) * 32
+    pa = torch.zeros(s, r4, k32, dtype=torch.bfloat16)
+    pa[:, :r, :k] = a
+    pa = pa.view(s, r4 // 4, 4, k32 // 32, 32).permute(0, 1, 3, 2, 4).contiguous()
+    blocks: list[torch.Tensor] = []
+    for bp in b_parts:
+        pr, pn = bp.shape[1], bp.shape[2]
+        n16 = -(-pn // 16) * 16
+        padded = torch.zeros(s, pr, n16, dtype=torch.bfloat16)
+        padded[:, :, :pn] = bp
+        blocks.append(padded.view(s, pr, n16 // 16, 16).permute(0, 2, 1, 3).reshape(s, -1))
+    pb = torch.cat(blocks, dim=1).contiguous() if blocks else torch.zeros(s, 0)
+    return pa, pb.to(torch.bfloat16)
 
 
 def is_bf16_rows(*tensors: torch.Tensor) -> bool:

@@ -48,16 +48,16 @@ def _assert_rounded_once(got: torch.Tensor, ref: tuple[torch.Tensor, torch.Tenso
 def _packed(
     factors: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int, n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout for one part covering every output: A [S, R, K], B [S, R * N]
-    (B transposed), ranks zero-padded, bfloat16; parts [[0, R, 0, N]]."""
+    """One part covering every output, in the kernel's layout (``pack_lora_factors``):
+    A [S, R, K], B [S, R, N] (B transposed), ranks zero-padded; parts [[0, R, 0, N]]."""
     rank = max(a.shape[0] for a, _ in factors)
     big_a = torch.zeros(len(factors), rank, k)
     big_b = torch.zeros(len(factors), rank, n)
     for s, (a, b) in enumerate(factors):
         big_a[s, : a.shape[0]] = a
         big_b[s, : a.shape[0]] = b.t()
-    parts = torch.tensor([[0, rank, 0, n]])
-    return big_a.bfloat16(), big_b.reshape(len(factors), -1).bfloat16(), parts
+    pa, pb = native.pack_lora_factors(big_a.bfloat16(), [big_b.bfloat16()])
+    return pa, pb, torch.tensor([[0, rank, 0, n]])
 
 
 def _bf16(
@@ -112,8 +112,10 @@ def test_kernel_gives_each_part_its_own_rank_columns(m: int) -> None:
     for p, w in enumerate(widths):
         spans.append([p * rank, rank, first, w])
         first += w
-    a = torch.stack([torch.cat([pa for pa, _ in adapter]) for adapter in per])
-    b = torch.stack([torch.cat([pb.t().reshape(-1) for _, pb in adapter]) for adapter in per])
+    a, b = native.pack_lora_factors(
+        torch.stack([torch.cat([pa for pa, _ in adapter]) for adapter in per]).bfloat16(),
+        [torch.stack([adapter[p][1].t() for adapter in per]).bfloat16() for p in range(3)],
+    )
     slots = [(0, -1, 1)[r % 3] for r in range(m)]
     x = torch.randn(m, k, generator=gen).bfloat16()
     out = torch.randn(m, n, generator=gen).bfloat16()
@@ -122,8 +124,8 @@ def test_kernel_gives_each_part_its_own_rank_columns(m: int) -> None:
         x,
         out,
         torch.tensor(slots, dtype=torch.int32),
-        a.bfloat16(),
-        b.bfloat16(),
+        a,
+        b,
         torch.tensor(spans),
         num_threads=2,
     )
@@ -143,19 +145,19 @@ def test_kernel_refuses_bad_slots_and_shapes() -> None:
     assert kernels is not None
     bf = torch.bfloat16
     x, out = torch.ones(2, 8, dtype=bf), torch.ones(2, 4, dtype=bf)
-    a, b = torch.ones(1, 2, 8, dtype=bf), torch.ones(1, 8, dtype=bf)
-    parts = torch.tensor([[0, 2, 0, 4]])
+    a, b = native.pack_lora_factors(torch.ones(1, 4, 8, dtype=bf), [torch.ones(1, 4, 4, dtype=bf)])
+    parts = torch.tensor([[0, 4, 0, 4]])
     for bad in ([0, 1], [-2, 0]):
         with pytest.raises(ValueError, match="slot"):
             kernels.lora_(x, out, torch.tensor(bad, dtype=torch.int32), a, b, parts)
         assert torch.equal(out, torch.ones(2, 4, dtype=bf))  # unchanged
     zero = torch.zeros(2, dtype=torch.int32)
-    for bad_parts in ([[0, 3, 0, 4]], [[0, 2, 1, 4]], [[0, 2, 0, 3]]):  # past R, N; not b's size
+    for bad_parts in ([[1, 4, 0, 4]], [[0, 4, 1, 4]], [[0, 3, 0, 4]]):  # past R, N; not b's size
         with pytest.raises(ValueError, match="parts"):
             kernels.lora_(x, out, zero, a, b, torch.tensor(bad_parts))
         assert torch.equal(out, torch.ones(2, 4, dtype=bf))
     with pytest.raises(ValueError, match="do not fit"):
-        kernels.lora_(x, out, zero, a, torch.ones(2, 8, dtype=bf), parts)
+        kernels.lora_(x, out, zero, a, torch.ones(2, b.shape[1], dtype=bf), parts)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.lora_(x.float(), out, zero, a, b, parts)
     with pytest.raises(ValueError, match="do not fit"):
@@ -181,7 +183,7 @@ class _Model(nn.Module):
             return [_Source(name, rows)]
 
 
-@pytest.mark.parametrize("rows", [1, 6, 40])
+@pytest.mark.parametrize("rows", [1, 6, 40, 300])  # 300: split between threads
 def test_layers_give_bf16_rows_the_float32_delta_rounded_once(rows: int) -> None:
     """On a bfloat16 base each adapter row's output is (base + float32 delta), rounded to
     bfloat16 once; base rows are the base layer's output."""
