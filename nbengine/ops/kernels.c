@@ -748,6 +748,47 @@ static inline __mmask32 nb_mask32(int64_t left) {
     return left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
 }
 
+/* The expand of `nb` (1 or 2, a constant where inlined) consecutive blocks of 16 outputs
+ * of one part, for a tile's rows: bb is the first block ([r, 16] bf16 each), `left` the
+ * part's outputs from the first block on. Each block's sums are the same whatever nb. */
+static inline __attribute__((always_inline)) void nb_lora_expand(
+    const uint16_t *bb, const float *h, int64_t c, int64_t pr, int64_t R4, uint16_t *const *yr,
+    int nr, int64_t o, int64_t left, const int nb) {
+    const char *ahead = (const char *)bb + NB_PREFETCH_BYTES;
+    for (int64_t l = 0; l < (nb * pr * 32 + 63) / 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    __m512 even[2][4], odd[2][4];
+    for (int u = 0; u < nb; u++)
+        for (int i = 0; i < 4; i++) even[u][i] = odd[u][i] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= pr; j += 2) {
+#pragma GCC unroll 2
+        for (int u = 0; u < nb; u++) {
+            const uint16_t *bu = bb + u * pr * 16 + j * 16;
+            const __m512 b0 = nb_load16(bu, 0xffff), b1 = nb_load16(bu + 16, 0xffff);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                even[u][i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[u][i]);
+                odd[u][i] = _mm512_fmadd_ps(b1, _mm512_set1_ps(h[i * R4 + c + j + 1]), odd[u][i]);
+            }
+        }
+    }
+    if (j < pr) {
+        for (int u = 0; u < nb; u++) {
+            const __m512 b0 = nb_load16(bb + u * pr * 16 + j * 16, 0xffff);
+            for (int i = 0; i < 4; i++)
+                even[u][i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[u][i]);
+        }
+    }
+    for (int u = 0; u < nb; u++) {
+        const __mmask16 mk = nb_mask(left - 16 * u);
+        for (int i = 0; i < nr; i++) {  /* padding rows: not stored */
+            const __m512 d = _mm512_add_ps(even[u][i], odd[u][i]);
+            uint16_t *yo = yr[i] + o + 16 * u;
+            nb_store16_bf16(yo, mk, _mm512_add_ps(nb_load16(yo, mk), d));
+        }
+    }
+}
+
 static void nb_lora_tile(const uint16_t *x, uint16_t *y, const int32_t *rows, int nr,
                          const uint16_t *a, const uint16_t *b, const int64_t *parts,
                          int64_t P, int64_t K, int64_t N, int64_t R4, float *h /* [4, R4] */) {
@@ -782,33 +823,11 @@ static void nb_lora_tile(const uint16_t *x, uint16_t *y, const int32_t *rows, in
     for (int64_t p = 0; p < P; p++) {
         const int64_t c = parts[4 * p], pr = parts[4 * p + 1], o = parts[4 * p + 2];
         const int64_t pn = parts[4 * p + 3], blocks = (pn + 15) / 16;
-        for (int64_t t = 0; t < blocks; t++) {
-            const uint16_t *bb = bp + t * pr * 16;
-            const char *ahead = (const char *)bb + NB_PREFETCH_BYTES;
-            for (int64_t l = 0; l < (pr * 32 + 63) / 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-            const __mmask16 mk = nb_mask(pn - t * 16);
-            __m512 even[4], odd[4];
-            for (int i = 0; i < 4; i++) even[i] = odd[i] = _mm512_setzero_ps();
-            int64_t j = 0;
-            for (; j + 2 <= pr; j += 2) {
-                const __m512 b0 = nb_load16(bb + j * 16, 0xffff), b1 = nb_load16(bb + j * 16 + 16, 0xffff);
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
-                    even[i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[i]);
-                    odd[i] = _mm512_fmadd_ps(b1, _mm512_set1_ps(h[i * R4 + c + j + 1]), odd[i]);
-                }
-            }
-            if (j < pr) {
-                const __m512 b0 = nb_load16(bb + j * 16, 0xffff);
-                for (int i = 0; i < 4; i++)
-                    even[i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[i]);
-            }
-            for (int i = 0; i < nr; i++) {  /* padding rows: not stored */
-                const __m512 d = _mm512_add_ps(even[i], odd[i]);
-                nb_store16_bf16(yr[i] + o + t * 16, mk,
-                                _mm512_add_ps(nb_load16(yr[i] + o + t * 16, mk), d));
-            }
-        }
+        int64_t t = 0;
+        for (; t + 2 <= blocks; t += 2)  /* two blocks at a time: sixteen independent sums */
+            nb_lora_expand(bp + t * pr * 16, h, c, pr, R4, yr, nr, o + t * 16, pn - t * 16, 2);
+        if (t < blocks)
+            nb_lora_expand(bp + t * pr * 16, h, c, pr, R4, yr, nr, o + t * 16, pn - t * 16, 1);
         bp += blocks * pr * 16;
     }
 }
