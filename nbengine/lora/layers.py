@@ -4,26 +4,38 @@ Every linear layer of the model that a PEFT adapter may target (all but the head
 a thin forward hook: its base forward (``nn.Linear``, a packed native layer, or a
 quantized one: ops/linear.py, ops/quant.py) runs unchanged, then the step's rows that
 have an adapter gain its delta, grouped by adapter (the shrink and expand of Punica /
-S-LoRA as two batched matmuls):
+S-LoRA as batched matmuls):
 
     xs  = x[rows of adapters 1..k, padded to G rows each]      [k, G, in]
     out[rows] += (xs @ A_k) @ B_k        A: [k, in, R], B: [k, R, out], scale in B
 
 so each row is multiplied by its own adapter's factors only, base-model rows are not
-touched, and a layer costs one gather, two ``bmm`` and one ``index_add_`` whatever the
+touched, and a layer costs one gather, the ``bmm`` and ``index_add_`` whatever the
 number of adapters in the step. Padding rows (groups of unequal size) are zeroed after
 the gather, so they add exact zeros. The grouping is built once per step per set of
 adapters a layer has (``begin_step``); a step without adapter rows costs one ``None``
-check per layer. The factors are kept in float32 and used in the activations' dtype
-(cast once per adapter set): bfloat16 on a bfloat16 or quantized bfloat16 base, where
-torch's bfloat16 matmul accumulates in float32; float32 on a float32 base.
+check per layer.
 
-Fused layers: a module of ours may hold several of the checkpoint's (q/k/v in
-``qkv_proj``, gate/up in ``gate_up_proj``; model/weight_map.py's ``CheckpointLayout``
-says which rows each fills). An adapter's factors of its parts are stacked: its ``A``s
-one above the other, its ``B`` block-diagonal (zero outside each part's rows and rank
-columns), so the fused output gets exactly each part's own delta. Adapters of lower
-rank in a layer are zero-padded to the layer's largest (exact zeros).
+Dtype: the factors are converted once, at ``add`` (the scale folded into ``B`` in
+float32 first): bfloat16 on a bfloat16 or quantized bfloat16 base, where torch's
+bfloat16 matmul and the native kernel accumulate in float32; float32 on a float32 base
+(the parity with transformers + PEFT holds there).
+
+Fused: a module of ours may hold several of the checkpoint's (q/k/v in ``qkv_proj``,
+gate/up in ``gate_up_proj``; model/weight_map.py's ``CheckpointLayout`` says which rows
+each fills). A layer's parts share their input, so the shrink is one product with the
+parts' ``A``s stacked (part p's rank columns ``c_p .. c_p + r_p - 1`` of ``xs @ A``),
+and each part's expand writes its own rows from its own rank columns only (``_Packed``):
+no block-diagonal ``B``, so no zeros are stored, read or multiplied. Adapters of lower
+rank in a part, or without the part, are zero-padded to the part's largest rank (exact
+zeros).
+
+Native: on a bfloat16 CPU base every step runs each hooked linear's deltas in one call
+of ``nb_lora_bf16`` (ops/kernels.c) on the same factors as it streams them
+(``native.pack_lora_factors``), with the adapter slot of each row built once per step
+(``_slots``). Prefill steps too: torch's bfloat16 ``bmm`` on this CPU (no AMX) took
+about 3 ms per hook for a 512-row step, the kernel under 1 ms. The ``bmm`` path serves
+float32 bases, other devices and ``NBENGINE_NATIVE=0``.
 
 Threads: the hooks run on the core thread; ``add``/``remove`` run there too (between
 steps, as UTILITY calls), so no lock is needed.
@@ -41,11 +53,14 @@ from torch import nn
 from nbengine.lora.adapter import AdapterWeights
 from nbengine.ops import native
 
-__all__ = ["NATIVE_MAX_ROWS", "LoRALayers"]
+__all__ = ["NATIVE_PARALLEL_ROWS", "LoRALayers"]
 
-# Steps with up to this many adapter rows take the native kernel on a bfloat16 base (one
-# call per hooked linear); above it, the batched matmuls (module docstring, "Native").
-NATIVE_MAX_ROWS = 128
+# Steps with at least this many adapter rows split each native call between the torch
+# threads; below it, one thread: a call of a decode step is tens of microseconds, about
+# what waking an OpenMP worker costs (more on a loaded machine). Measured 2026-12-02, 30
+# layers of the bench model, 4 rank-16 adapters, 2 threads vs 1 at load 2.6-3.0: 16 rows
+# 15-18 vs 3.0-3.3 ms per step, 64 rows 19-21 vs 13 ms, 512 rows 58-86 vs 83 ms.
+NATIVE_PARALLEL_ROWS = 256
 
 
 class _Source(Protocol):
@@ -67,62 +82,92 @@ class _Target:
     out_features: int
     # checkpoint module name -> (first row, rows) in this layer's output
     parts: dict[str, tuple[int, int]]
-    # adapter id -> (A [R, in], B [out, R]) on the model's device, scale in B
-    factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # The factors of every adapter this layer has, batched for ``bmm`` (see ``batched``);
-    # rebuilt lazily after add / remove.
-    _batched: dict[torch.dtype, _Batched] = field(default_factory=dict)
-    # The same for the native kernel: A as [n, R, in], B as [n, R, out], float32.
-    _native: _Batched | None = None
+    # adapter id -> checkpoint module name -> (A [r, in], B^T [r, rows], scale in B), in
+    # the factor dtype on the model's device (converted once, at add)
+    factors: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # Every adapter's factors of this layer packed for the step (``packed``); rebuilt
+    # lazily after add / remove.
+    _packed: _Packed | None = None
 
     def changed(self) -> None:
-        """Forget the batched factors (an adapter of this layer was added or removed)."""
-        self._batched = {}
-        self._native = None
+        """Forget the packed factors (an adapter of this layer was added or removed)."""
+        self._packed = None
 
-    def native(self) -> _Batched | None:
-        """This layer's factors as the native kernel reads them (``nb_lora_bf16``): float32,
-        ``a`` ``[n, R, in]`` and ``b`` ``[n, R, out]``, contiguous; None without adapters."""
-        if self._native is None:
-            got = self.batched(torch.float32, torch.device("cpu"))
-            if got is None:
-                return None
-            self._native = _Batched(got.ids, got.a.transpose(1, 2).contiguous(), got.b)
-        return self._native
-
-    def batched(self, dtype: torch.dtype, device: torch.device) -> _Batched | None:
-        """This layer's adapters' factors as ``[n, in, R]`` and ``[n, R, out]`` in ``dtype``
-        (zero-padded to the largest rank R), and the adapter id of each slot; None when
-        no adapter targets this layer."""
+    def packed(self) -> _Packed | None:
+        """This layer's adapters' factors packed (``_Packed``); None without adapters."""
         if not self.factors:
             return None
-        got = self._batched.get(dtype)
-        if got is None:
-            ids = tuple(sorted(self.factors))
-            rank = max(self.factors[i][0].shape[0] for i in ids)
-            a = torch.zeros(len(ids), self.in_features, rank, dtype=torch.float32)
-            b = torch.zeros(len(ids), rank, self.out_features, dtype=torch.float32)
-            for slot, i in enumerate(ids):
-                fa, fb = self.factors[i]
-                a[slot, :, : fa.shape[0]] = fa.t()
-                b[slot, : fb.shape[1], :] = fb.t()
-            got = _Batched(ids, a.to(device, dtype), b.to(device, dtype))
-            self._batched[dtype] = got
-        return got
+        if self._packed is None:
+            self._packed = self._pack()
+        return self._packed
+
+    def _pack(self) -> _Packed:
+        # The parts any adapter targets, in output order, each at the largest rank any
+        # adapter gives it; an adapter without a part, or of lower rank, has zeros there.
+        names = sorted(
+            {name for per in self.factors.values() for name in per},
+            key=lambda name: self.parts[name][0],
+        )
+        ids = tuple(sorted(self.factors))
+        some_a = next(iter(self.factors[ids[0]].values()))[0]
+        spans: list[tuple[int, int, int, int]] = []
+        col = 0
+        for name in names:
+            rank = max(per[name][0].shape[0] for per in self.factors.values() if name in per)
+            first, rows = self.parts[name]
+            spans.append((col, rank, first, rows))
+            col += rank
+        sizes = [r * n for _, r, _, n in spans]
+        a = torch.zeros(len(ids), col, self.in_features, dtype=some_a.dtype, device=some_a.device)
+        b = torch.zeros(len(ids), sum(sizes), dtype=some_a.dtype, device=some_a.device)
+        b_parts: list[torch.Tensor] = []
+        at = 0
+        for (_, rank, _, rows), size in zip(spans, sizes):
+            b_parts.append(b[:, at : at + size].view(len(ids), rank, rows))
+            at += size
+        for slot, i in enumerate(ids):
+            for name, (c, _, _, _), b_part in zip(names, spans, b_parts):
+                got = self.factors[i].get(name)
+                if got is not None:
+                    fa, fbt = got
+                    a[slot, c : c + fa.shape[0]] = fa
+                    b_part[slot, : fa.shape[0]] = fbt
+        native_a = native_b = None
+        if a.dtype == torch.bfloat16 and a.device.type == "cpu":
+            native_a, native_b = native.pack_lora_factors(a, b_parts)
+        return _Packed(
+            ids,
+            a,
+            b,
+            tuple(b_parts),
+            tuple(spans),
+            torch.tensor(spans, dtype=torch.int64),
+            native_a,
+            native_b,
+        )
 
 
 @dataclass(slots=True, frozen=True)
-class _Batched:
+class _Packed:
+    """A layer's adapters' factors, one slot per adapter (module docstring, "Fused")."""
+
     ids: tuple[int, ...]  # adapter id of each slot
-    a: torch.Tensor  # [slots, in, R]
-    b: torch.Tensor  # [slots, R, out]
+    a: torch.Tensor  # [slots, R, in]: the parts' A stacked, part p at rank columns c_p..
+    b: torch.Tensor  # [slots, sum of r_p * n_p]: each part's B^T [r_p, n_p], part after part
+    b_parts: tuple[torch.Tensor, ...]  # views of ``b``: part p's [slots, r_p, n_p]
+    spans: tuple[tuple[int, int, int, int], ...]  # per part (c_p, r_p, first output, n_p)
+    parts: torch.Tensor  # ``spans`` as int64 [P, 4] on the CPU (the native kernel's)
+    # The same factors as nb_lora_bf16 streams them (native.pack_lora_factors), on a
+    # bfloat16 CPU base only (None otherwise).
+    native_a: torch.Tensor | None = None
+    native_b: torch.Tensor | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class _Groups:
     """The step's rows of the adapters one layer has, grouped for ``bmm``."""
 
-    slots: torch.Tensor | None  # slot of each group in _Batched (None: every slot in order)
+    slots: torch.Tensor | None  # slot of each group in _Packed (None: every slot in order)
     gather: torch.Tensor  # [k * G] row of each grouped position (padding: a group's row)
     pad: torch.Tensor | None  # positions that are padding (zeroed after the gather)
     k: int
@@ -132,17 +177,30 @@ class _Groups:
 class LoRALayers:
     """The adapters loaded into one model (by ``lora_int_id``) and the hooks applying them."""
 
-    def __init__(self, model: nn.Module, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Hook every adaptable linear of ``model`` on ``device``; ``dtype`` is the base's
+        activations' (default: its first floating-point parameter's), which sets the
+        factors' (bfloat16 on a bfloat16 base, quantized or not; float32 otherwise)."""
         layout: _Layout | None = getattr(model, "checkpoint_layout", None)
         if layout is None:
             raise TypeError(f"{type(model).__name__} declares no checkpoint_layout.")
         self.device = torch.device(device)
+        if dtype is None:
+            dtype = next(
+                (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32
+            )
+        self.factor_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         # The step's rows of each adapter (None: no adapter rows) and its groupings by
         # the adapter set of a layer (begin_step, _groups).
         self._rows: dict[int, list[int]] | None = None
         self._grouped: dict[tuple[int, ...], _Groups | None] = {}
         # The native path of the step (begin_step): the step's row count when it may run
-        # (CPU, at most NATIVE_MAX_ROWS adapter rows), else 0; and each adapter set's slot
+        # (on the CPU), else 0; and each adapter set's slot
         # per row (int32, -1: base row), built once per step (_slots).
         self._native_rows = 0
         self._native_threads = 1
@@ -184,7 +242,7 @@ class LoRALayers:
         for, or cannot adapt) or the base model (a shape that does not match); nothing
         changes then.
         """
-        per_target: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+        per_target: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for name, (a, b) in adapter.modules.items():
             target = self._by_module.get(name)
             local = name.rpartition(".")[2]
@@ -198,7 +256,7 @@ class LoRALayers:
                     f"LoRA adapter {adapter.source}: target_modules: {local!r} ({name}) cannot "
                     f"be adapted here; this model's LoRA targets are {self.supported_modules}."
                 )
-            offset, rows = target.parts[name]
+            _, rows = target.parts[name]
             if a.shape[1] != target.in_features or b.shape[0] != rows:
                 raise ValueError(
                     f"LoRA adapter {adapter.source}: base model: {name} has lora_A "
@@ -206,32 +264,21 @@ class LoRALayers:
                     f"{target.in_features} inputs to {rows} outputs (was it trained on another "
                     "base model?)."
                 )
-            per_target.setdefault(target.path, []).append((offset, rows, a, b))
+            # Converted once: the scale folded into B in float32, then one rounding to
+            # the factor dtype; B transposed ([r, rows]) as the expand reads it.
+            per_target.setdefault(target.path, {})[name] = (
+                a.to(self.device, self.factor_dtype).contiguous(),
+                (b * adapter.scale).t().to(self.device, self.factor_dtype).contiguous(),
+            )
         by_path = {t.path: t for t in self._targets}
         for t in self._targets:
             if t.factors.pop(adapter.int_id, None) is not None:
                 t.changed()
-        for path, parts in per_target.items():
+        for path, per in per_target.items():
             target = by_path[path]
-            target.factors[adapter.int_id] = self._stack(target, parts, adapter.scale)
+            target.factors[adapter.int_id] = per
             target.changed()
         self.adapters[adapter.int_id] = adapter
-
-    def _stack(
-        self,
-        target: _Target,
-        parts: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's stacked ``A`` and block-diagonal ``B`` (module docstring)."""
-        rank = sum(a.shape[0] for _, _, a, _ in parts)
-        big_a = torch.cat([a for _, _, a, _ in parts], dim=0)
-        big_b = torch.zeros(target.out_features, rank, dtype=torch.float32)
-        col = 0
-        for offset, rows, a, b in parts:
-            big_b[offset : offset + rows, col : col + a.shape[0]] = b * scale
-            col += a.shape[0]
-        return big_a.contiguous(), big_b.contiguous()
 
     def remove(self, int_id: int) -> bool:
         """Drop adapter ``int_id``; False if it was not loaded."""
@@ -256,10 +303,8 @@ class LoRALayers:
             row += n
         self._rows = rows or None
         adapter_rows = sum(len(r) for r in rows.values())
-        self._native_rows = (
-            row if self.device.type == "cpu" and adapter_rows <= NATIVE_MAX_ROWS else 0
-        )
-        self._native_threads = 1 if adapter_rows < native.SMALL_ROWS else torch.get_num_threads()
+        self._native_rows = row if self.device.type == "cpu" else 0
+        self._native_threads = 1 if adapter_rows < NATIVE_PARALLEL_ROWS else torch.get_num_threads()
         return self._rows is not None
 
     def end_step(self) -> None:
@@ -268,12 +313,12 @@ class LoRALayers:
         self._grouped = {}
         self._slots_of = {}
 
-    def _groups(self, batched: _Batched) -> _Groups | None:
-        """The step's rows grouped by the adapters in ``batched`` (None: no such rows)."""
-        if batched.ids in self._grouped:
-            return self._grouped[batched.ids]
+    def _groups(self, packed: _Packed) -> _Groups | None:
+        """The step's rows grouped by the adapters in ``packed`` (None: no such rows)."""
+        if packed.ids in self._grouped:
+            return self._grouped[packed.ids]
         assert self._rows is not None
-        present = [(slot, self._rows[i]) for slot, i in enumerate(batched.ids) if i in self._rows]
+        present = [(slot, self._rows[i]) for slot, i in enumerate(packed.ids) if i in self._rows]
         groups: _Groups | None = None
         if present:
             g = max(len(r) for _, r in present)
@@ -286,14 +331,14 @@ class LoRALayers:
             dev = self.device
             groups = _Groups(
                 None
-                if slots == list(range(len(batched.ids)))
+                if slots == list(range(len(packed.ids)))
                 else torch.tensor(slots, dtype=torch.int64, device=dev),
                 torch.tensor(gather, dtype=torch.int64, device=dev),
                 torch.tensor(pad, dtype=torch.int64, device=dev) if pad else None,
                 len(present),
                 g,
             )
-        self._grouped[batched.ids] = groups
+        self._grouped[packed.ids] = groups
         return groups
 
     def _slots(self, ids: tuple[int, ...]) -> torch.Tensor:
@@ -316,50 +361,70 @@ class LoRALayers:
     # ------------------------------------------------------------------ the hook
     def _delta(self, target: _Target, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the step's adapter rows' deltas to ``out`` (module docstring)."""
-        if self._native_delta(target, x, out):
+        packed = target.packed()
+        if packed is None or self._native_delta(packed, x, out):
             return
-        batched = target.batched(x.dtype, x.device)
-        if batched is None:
-            return
-        groups = self._groups(batched)
+        groups = self._groups(packed)
         if groups is None:
             return
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        a, b = batched.a, batched.b
+        a, b_parts = packed.a, packed.b_parts
         if groups.slots is not None:
-            a, b = a.index_select(0, groups.slots), b.index_select(0, groups.slots)
+            a = a.index_select(0, groups.slots)
+            b_parts = tuple(b.index_select(0, groups.slots) for b in b_parts)
         xs = x2.index_select(0, groups.gather)
         if groups.pad is not None:
             xs.index_fill_(0, groups.pad, 0)  # padding rows: exact zero deltas
-        y = torch.bmm(torch.bmm(xs.view(groups.k, groups.g, -1), a.to(xs.dtype)), b.to(xs.dtype))
-        out2.index_add_(0, groups.gather, y.view(-1, out2.shape[-1]).to(out2.dtype))
+        # The shrink of every part at once (their A stacked), then each part's expand
+        # from its own rank columns into its own outputs.
+        h = torch.bmm(xs.view(groups.k, groups.g, -1), a.transpose(1, 2).to(xs.dtype))
+        for (c, r, first, rows), b in zip(packed.spans, b_parts):
+            y = torch.bmm(h[:, :, c : c + r], b.to(xs.dtype))
+            out2.narrow(1, first, rows).index_add_(
+                0, groups.gather, y.view(-1, rows).to(out2.dtype)
+            )
 
-    def _native_delta(self, target: _Target, x: torch.Tensor, out: torch.Tensor) -> bool:
+    def _native_delta(self, packed: _Packed, x: torch.Tensor, out: torch.Tensor) -> bool:
         """The delta by the native kernel, one call (module docstring, "Native"); False
         (nothing done) where it does not apply: a float32 base, no kernels, a large step."""
         rows = self._native_rows
+        na, nb = packed.native_a, packed.native_b
         if (
             not rows
+            or na is None
+            or nb is None
             or x.dtype != torch.bfloat16
             or out.dtype != torch.bfloat16
             or not x.is_contiguous()
             or not out.is_contiguous()
-            or x.numel() != rows * target.in_features
-            or out.numel() != rows * target.out_features
+            or x.numel() != rows * packed.a.shape[2]
         ):
             return False
         kernels = self._native_kernels()
-        factors = target.native()
-        if kernels is None or factors is None:
+        if kernels is None:
             return False
-        kernels.lora_(
-            x.view(rows, -1),
-            out.view(rows, -1),
-            self._slots(factors.ids),
-            factors.a,
-            factors.b,
+        n = out.shape[-1]
+        if out.numel() != rows * n:
+            return False
+        # Arguments built to fit (``_Packed``, ``_slots``): the unchecked entry point.
+        status = kernels.lora_raw(
+            x.data_ptr(),
+            out.data_ptr(),
+            self._slots(packed.ids).data_ptr(),
+            na.data_ptr(),
+            nb.data_ptr(),
+            packed.parts.data_ptr(),
+            rows,
+            packed.a.shape[2],
+            n,
+            na.shape[0],
+            na.shape[1] * 4,
+            packed.parts.shape[0],
+            nb.shape[1],
             self._native_threads,
         )
+        if status:
+            raise RuntimeError(f"nb_lora_bf16 refused its arguments ({status}).")
         return True
 
     def _install(self, module: nn.Module, target: _Target) -> None:

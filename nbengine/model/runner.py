@@ -244,7 +244,7 @@ class ModelRunner:
             plan_max_rows = DENSE_MIN_ROWS - 1
         # LoRA adapters (docs/lora.md): hooks on the linear layers as packed or quantized.
         self.lora: LoRALayers | None = (
-            LoRALayers(loaded.model, self.device) if config.lora.enable_lora else None
+            LoRALayers(loaded.model, self.device, loaded.dtype) if config.lora.enable_lora else None
         )
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype

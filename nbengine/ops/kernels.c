@@ -737,81 +737,136 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
 
 /* ---- LoRA deltas: y[r] += B_s (A_s x[r]) for the adapter slot s = slot[r] of each row ---
  *
- * x bf16 [M, K], y bf16 [M, N] updated in place; A float32 [S, R, K] (each slot's shrink,
- * rank zero-padded to R), B float32 [S, R, N] (each slot's expand transposed, the scale
- * folded in); slot int32 [M], -1 for a row without adapter (left untouched). The shrink
- * h = A_s x (R dot products over K) and the expand y += B_s^T h (16 outputs per vector)
- * are float32, and y is rounded to bf16 once (nbengine/lora/layers.py is the caller; its
- * bmm path the reference). Rows are sorted by slot and taken up to four of one slot at a
- * time, so that every load of the factors feeds four rows (4 adapters of rank 48 are over
- * a MiB: they stream from L3). One call does a whole hooked linear, so a decode step pays
- * one call per hook instead of a few torch ops; with nthreads > 1 the tiles of rows are
- * split between threads. Returns 0, or -1 (and changes nothing) if a slot is outside
- * -1 .. S-1. */
-static void nb_lora_tile(const uint16_t *x, uint16_t *y, const int32_t *rows, int nr,
-                         const float *a, const float *b, int64_t K, int64_t N, int64_t R,
-                         float *h /* [4, R] */, float *xf /* [4, K] */) {
-    /* the rows as float32, once (padding: the last row repeated) */
-    for (int i = 0; i < 4; i++) {
-        const uint16_t *xr = x + rows[i < nr ? i : nr - 1] * K;
-        for (int64_t k = 0; k < K; k += 16) {
-            const __mmask16 mk = nb_mask(K - k);
-            _mm512_mask_storeu_ps(xf + i * K + k, mk, nb_load16(xr + k, mk));
-        }
-    }
-    int64_t r = 0;
-    for (; r + 2 <= R; r += 2) {  /* two ranks by four rows: eight independent sums */
-        const float *a0 = a + r * K, *a1 = a0 + K;
-        __m512 acc[2][4];
-        for (int j = 0; j < 2; j++)
-            for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 16) {
-            const __mmask16 mk = nb_mask(K - k);
-            const __m512 v0 = _mm512_maskz_loadu_ps(mk, a0 + k), v1 = _mm512_maskz_loadu_ps(mk, a1 + k);
+ * x bf16 [M, K], y bf16 [M, N] updated in place; slot int32 [M], -1 for a row without
+ * adapter (left untouched). A layer's output is P parts (one for a plain linear; q/k/v or
+ * gate/up for a fused one, model/weight_map.py): parts int64 [P, 4] holds each part's
+ * (first rank column c, rank r, first output o, outputs n). Each slot's shrink A [R, K]
+ * holds the parts' A stacked (rank columns c .. c + r - 1 for part p, zero rows where a
+ * slot's rank is lower), and its expands B_p [r, n] (transposed, the scale folded in)
+ * follow one another, part after part. So part p's outputs get B_p^T h[c .. c + r - 1]
+ * only: no block-diagonal zeros are read, and a fused layer's shrink is one pass over x
+ * for all its parts.
+ *
+ * Layout (ops/native.py, pack_lora_factors, writes it): both factors are read front to
+ * back as one stream, in the order the loops use them. A is [S, R4 / 4, K32 / 32, 4, 32]
+ * (R and K zero-padded to multiples of 4 and 32): four ranks' 32 inputs in 256 bytes;
+ * B is [S, BS], each part as [ceil(n / 16), r, 16] (outputs zero-padded to 16): a block
+ * of 16 outputs holds every rank's 16 values. The factors are memory bound (each is
+ * read once per step), so the loops prefetch the streams NB_PREFETCH_BYTES ahead, as
+ * the linear kernels do.
+ *
+ * The shrink h = A_s x is dot products of bf16 pairs (dpbf16: each product exact in
+ * float32, float32 sums), the expand float32 (even and odd ranks summed apart, then
+ * added to y's value), and y is rounded to bf16 once (nbengine/lora/layers.py is the
+ * caller; its bmm path the reference). Rows are sorted by slot and taken up to four of
+ * one slot at a time, so that every load of the factors feeds four rows. One call does a
+ * whole hooked linear; with nthreads > 1 the tiles of rows are split between threads (a
+ * row's sums do not depend on the split, so results are the same on any thread count).
+ * Returns 0, or -1 (and changes nothing) if a slot is outside -1 .. S-1, a part outside
+ * R4 or N, or BS not the parts' size. */
+static inline __mmask32 nb_mask32(int64_t left) {
+    return left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
+}
+
+/* The expand of `nb` (1 or 2, a constant where inlined) consecutive blocks of 16 outputs
+ * of one part, for a tile's rows: bb is the first block ([r, 16] bf16 each), `left` the
+ * part's outputs from the first block on. Each block's sums are the same whatever nb. */
+static inline __attribute__((always_inline)) void nb_lora_expand(
+    const uint16_t *bb, const float *h, int64_t c, int64_t pr, int64_t R4, uint16_t *const *yr,
+    int nr, int64_t o, int64_t left, const int nb) {
+    const char *ahead = (const char *)bb + NB_PREFETCH_BYTES;
+    for (int64_t l = 0; l < (nb * pr * 32 + 63) / 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    __m512 even[2][4], odd[2][4];
+    for (int u = 0; u < nb; u++)
+        for (int i = 0; i < 4; i++) even[u][i] = odd[u][i] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= pr; j += 2) {
+#pragma GCC unroll 2
+        for (int u = 0; u < nb; u++) {
+            const uint16_t *bu = bb + u * pr * 16 + j * 16;
+            const __m512 b0 = nb_load16(bu, 0xffff), b1 = nb_load16(bu + 16, 0xffff);
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
-                const __m512 xv = _mm512_maskz_loadu_ps(mk, xf + i * K + k);
-                acc[0][i] = _mm512_fmadd_ps(v0, xv, acc[0][i]);
-                acc[1][i] = _mm512_fmadd_ps(v1, xv, acc[1][i]);
+                even[u][i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[u][i]);
+                odd[u][i] = _mm512_fmadd_ps(b1, _mm512_set1_ps(h[i * R4 + c + j + 1]), odd[u][i]);
             }
         }
-        for (int i = 0; i < 4; i++) {
-            h[i * R + r] = _mm512_reduce_add_ps(acc[0][i]);
-            h[i * R + r + 1] = _mm512_reduce_add_ps(acc[1][i]);
-        }
     }
-    for (; r < R; r++) {
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                         _mm512_setzero_ps()};
-        for (int64_t k = 0; k < K; k += 16) {
-            const __mmask16 mk = nb_mask(K - k);
-            const __m512 av = _mm512_maskz_loadu_ps(mk, a + r * K + k);
+    if (j < pr) {
+        for (int u = 0; u < nb; u++) {
+            const __m512 b0 = nb_load16(bb + u * pr * 16 + j * 16, 0xffff);
             for (int i = 0; i < 4; i++)
-                acc[i] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(mk, xf + i * K + k), acc[i]);
+                even[u][i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[u][i]);
         }
-        for (int i = 0; i < 4; i++) h[i * R + r] = _mm512_reduce_add_ps(acc[i]);
     }
-    uint16_t *yr[4];
-    for (int i = 0; i < 4; i++) yr[i] = y + rows[i < nr ? i : nr - 1] * N;
-    for (int64_t n = 0; n < N; n += 16) {
-        const __mmask16 mk = nb_mask(N - n);
-        __m512 acc[4];
-        for (int i = 0; i < 4; i++) acc[i] = nb_load16(yr[i] + n, mk);
-        for (int64_t j = 0; j < R; j++) {
-            const __m512 bv = _mm512_maskz_loadu_ps(mk, b + j * N + n);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) acc[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(h[i * R + j]), acc[i]);
+    for (int u = 0; u < nb; u++) {
+        const __mmask16 mk = nb_mask(left - 16 * u);
+        for (int i = 0; i < nr; i++) {  /* padding rows: not stored */
+            const __m512 d = _mm512_add_ps(even[u][i], odd[u][i]);
+            uint16_t *yo = yr[i] + o + 16 * u;
+            nb_store16_bf16(yo, mk, _mm512_add_ps(nb_load16(yo, mk), d));
         }
-        for (int i = 0; i < nr; i++) nb_store16_bf16(yr[i] + n, mk, acc[i]);  /* padding: not stored */
     }
 }
 
-int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const float *A,
-                 const float *B, int64_t M, int64_t K, int64_t N, int64_t S, int64_t R,
-                 int nthreads) {
+static void nb_lora_tile(const uint16_t *x, uint16_t *y, const int32_t *rows, int nr,
+                         const uint16_t *a, const uint16_t *b, const int64_t *parts,
+                         int64_t P, int64_t K, int64_t N, int64_t R4, float *h /* [4, R4] */) {
+    const int64_t kc = (K + 31) / 32;
+    const uint16_t *xr[4];
+    for (int i = 0; i < 4; i++) xr[i] = x + rows[i < nr ? i : nr - 1] * K;  /* padding: repeat */
+    for (int64_t g = 0; g < R4 / 4; g++) {  /* four ranks by four rows: sixteen sums */
+        __m512 acc[4][4];
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
+        const uint16_t *ag = a + g * kc * 128;
+        for (int64_t c = 0; c < kc; c++) {
+            const uint16_t *ac = ag + c * 128;
+            const char *ahead = (const char *)ac + NB_PREFETCH_BYTES;
+            for (int l = 0; l < 4; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+            const __mmask32 mk = nb_mask32(K - c * 32);
+            __m512bh av[4], xv[4];
+            for (int j = 0; j < 4; j++) av[j] = (__m512bh)_mm512_loadu_si512(ac + 32 * j);
+            for (int i = 0; i < 4; i++)
+                xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mk, xr[i] + c * 32);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], av[j], xv[i]);
+        }
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 4; i++) h[i * R4 + 4 * g + j] = _mm512_reduce_add_ps(acc[j][i]);
+    }
+    uint16_t *yr[4];
+    for (int i = 0; i < 4; i++) yr[i] = y + rows[i < nr ? i : nr - 1] * N;
+    const uint16_t *bp = b;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t c = parts[4 * p], pr = parts[4 * p + 1], o = parts[4 * p + 2];
+        const int64_t pn = parts[4 * p + 3], blocks = (pn + 15) / 16;
+        int64_t t = 0;
+        for (; t + 2 <= blocks; t += 2)  /* two blocks at a time: sixteen independent sums */
+            nb_lora_expand(bp + t * pr * 16, h, c, pr, R4, yr, nr, o + t * 16, pn - t * 16, 2);
+        if (t < blocks)
+            nb_lora_expand(bp + t * pr * 16, h, c, pr, R4, yr, nr, o + t * 16, pn - t * 16, 1);
+        bp += blocks * pr * 16;
+    }
+}
+
+int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint16_t *A,
+                 const uint16_t *B, const int64_t *parts, int64_t M, int64_t K, int64_t N,
+                 int64_t S, int64_t R4, int64_t P, int64_t BS, int nthreads) {
     for (int64_t m = 0; m < M; m++)
         if (slot[m] < -1 || slot[m] >= S) return -1;
-    if (M == 0 || R == 0) return 0;
+    if (R4 % 4) return -1;
+    int64_t bs = 0;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t c = parts[4 * p], pr = parts[4 * p + 1], o = parts[4 * p + 2];
+        const int64_t pn = parts[4 * p + 3];
+        if (c < 0 || pr < 0 || c + pr > R4 || o < 0 || pn < 0 || o + pn > N) return -1;
+        bs += pr * ((pn + 15) / 16) * 16;
+    }
+    if (bs != BS) return -1;
+    if (M == 0 || R4 == 0) return 0;
     /* rows with an adapter, by slot (a counting sort), then tiles of <= 4 rows of one slot */
     int32_t *order = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
     int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M + S));  /* first of each */
@@ -824,19 +879,20 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const floa
                 order[used++] = (int32_t)m;
             }
     }
+    const int64_t a_slot = R4 * ((K + 31) / 32) * 32;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && ntiles > 1)
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * (R + K)));  /* h, then x */
+        float *h = (float *)malloc(sizeof(float) * (size_t)(4 * R4));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) {
             const int64_t first = tiles[t];
             const int32_t s = slot[order[first]];
             int nr = 1;
             while (nr < 4 && first + nr < used && slot[order[first + nr]] == s) nr++;
-            nb_lora_tile(x, y, order + first, nr, A + (int64_t)s * R * K,
-                         B + (int64_t)s * R * N, K, N, R, buf, buf + 4 * R);
+            nb_lora_tile(x, y, order + first, nr, A + (int64_t)s * a_slot, B + (int64_t)s * BS,
+                         parts, P, K, N, R4, h);
         }
-        free(buf);
+        free(h);
     }
     free(order);
     free(tiles);

@@ -74,7 +74,7 @@ _SIGNATURES: dict[str, list[type]] = {
     ],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _P, _P],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
-    "nb_lora_bf16": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+    "nb_lora_bf16": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
     "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
@@ -102,8 +102,11 @@ class NativeKernels:
         self._cached_attention = lib.nb_cached_attention_bf16
         self._rope_attention = lib.nb_rope_attention_bf16
         self._argmax = lib.nb_argmax_f32
-        self._lora = lib.nb_lora_bf16
-        self._lora.restype = ctypes.c_int
+        # Raw entry point of the LoRA deltas (``lora_`` checks its arguments; the per-linear
+        # hook of nbengine/lora/layers.py calls this with arguments built once per step);
+        # it returns -1, writing nothing, for a slot or part out of range.
+        self.lora_raw = lib.nb_lora_bf16
+        self.lora_raw.restype = ctypes.c_int
         self._linear_q8 = lib.nb_linear_q8
         self._linear_q4 = lib.nb_linear_q4
         self._dequantize = lib.nb_dequantize_bf16
@@ -406,53 +409,94 @@ class NativeKernels:
         slots: torch.Tensor,
         a: torch.Tensor,
         b: torch.Tensor,
+        parts: torch.Tensor,
         num_threads: int = 1,
     ) -> None:
-        """``out[r] += b[s].T @ (a[s] @ x[r])`` for ``s = slots[r] >= 0``, in place.
+        """LoRA deltas in place: for each row ``m`` with ``s = slots[m] >= 0``, part ``p``
+        of ``parts`` (``(c, r, o, n)``: rank columns ``c .. c+r-1``, outputs ``o .. o+n-1``)
+        adds ``B_p[s].T @ (A[s] @ x[m])[c : c + r]`` to ``out[m, o : o + n]``.
 
         ``x`` bfloat16 ``[M, K]``, ``out`` bfloat16 ``[M, N]``, ``slots`` int32 ``[M]``
-        (-1: the row is left as it is), ``a`` float32 ``[S, R, K]``, ``b`` float32
-        ``[S, R, N]``, all contiguous; the sums are float32 and ``out`` is rounded to
-        bfloat16 once. Raises ValueError on shapes, dtypes or slots that do not fit (the
-        kernel reads no memory outside its arguments).
+        (-1: the row is left as it is), ``a`` and ``b`` the factors as
+        ``pack_lora_factors`` lays them out, ``parts`` int64 ``[P, 4]``, all contiguous;
+        the sums are float32 and ``out`` is rounded to bfloat16 once. Raises ValueError on
+        shapes, dtypes, slots or parts that do not fit (the kernel reads no memory outside
+        its arguments); ``out`` is then unchanged.
         """
         m, k = x.shape
-        s, r, n = b.shape
+        s, n = a.shape[0], out.shape[-1]
         if not (
-            x.dtype == out.dtype == torch.bfloat16
-            and a.dtype == b.dtype == torch.float32
+            x.dtype == out.dtype == a.dtype == b.dtype == torch.bfloat16
             and slots.dtype == torch.int32
+            and parts.dtype == torch.int64
             and out.shape == (m, n)
-            and a.shape == (s, r, k)
+            and a.dim() == 5
+            and a.shape[2:] == ((k + 31) // 32, 4, 32)
+            and b.dim() == 2
+            and b.shape[0] == s
+            and parts.dim() == 2
+            and parts.shape[1] == 4
             and slots.shape == (m,)
-            and all(t.is_contiguous() for t in (x, out, slots, a, b))
+            and all(t.is_contiguous() for t in (x, out, slots, a, b, parts))
         ):
             raise ValueError(
                 f"lora_: x {tuple(x.shape)} {x.dtype}, out {tuple(out.shape)} {out.dtype}, "
                 f"slots {tuple(slots.shape)} {slots.dtype}, a {tuple(a.shape)} {a.dtype}, "
-                f"b {tuple(b.shape)} {b.dtype} do not fit (see the docstring)."
+                f"b {tuple(b.shape)} {b.dtype}, parts {tuple(parts.shape)} {parts.dtype} "
+                "do not fit (see the docstring)."
             )
-        status = self._lora(
+        r4 = a.shape[1] * 4
+        status = self.lora_raw(
             x.data_ptr(),
             out.data_ptr(),
             slots.data_ptr(),
             a.data_ptr(),
             b.data_ptr(),
+            parts.data_ptr(),
             m,
             k,
             n,
             s,
-            r,
+            r4,
+            parts.shape[0],
+            b.shape[1],
             num_threads,
         )
         if status:
-            raise ValueError(f"lora_: slots holds a slot outside -1 .. {s - 1}; out is unchanged.")
+            raise ValueError(
+                f"lora_: slots holds a slot outside -1 .. {s - 1}, or parts a part outside "
+                f"the {r4} rank columns, {n} outputs or {b.shape[1]} values of b; out is "
+                "unchanged."
+            )
 
     @staticmethod
     def cached_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """The kernel's shape limits: head_dim a multiple of 32 up to 128, at most 8 heads
         per KV head."""
         return head_dim % 32 == 0 and head_dim <= 128 and num_heads // num_kv_heads <= 8
+
+
+def pack_lora_factors(
+    a: torch.Tensor, b_parts: list[torch.Tensor] | tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LoRA factors in the layout ``nb_lora_bf16`` streams (kernels.c, "LoRA deltas"):
+    ``a`` ``[S, R, K]`` (the parts' shrinks stacked) as bfloat16 ``[S, ceil(R/4),
+    ceil(K/32), 4, 32]``, and each part's expand ``[S, r, n]`` (transposed) as ``[S,
+    ceil(n/16), r, 16]``, part after part, in one bfloat16 ``[S, BS]``; zero-padded."""
+    s, r, k = a.shape
+    r4, k32 = -(-r // 4) * 4, -(-k // 32) * 32
+    pa = torch.zeros(s, r4, k32, dtype=torch.bfloat16)
+    pa[:, :r, :k] = a
+    pa = pa.view(s, r4 // 4, 4, k32 // 32, 32).permute(0, 1, 3, 2, 4).contiguous()
+    blocks: list[torch.Tensor] = []
+    for bp in b_parts:
+        pr, pn = bp.shape[1], bp.shape[2]
+        n16 = -(-pn // 16) * 16
+        padded = torch.zeros(s, pr, n16, dtype=torch.bfloat16)
+        padded[:, :, :pn] = bp
+        blocks.append(padded.view(s, pr, n16 // 16, 16).permute(0, 2, 1, 3).reshape(s, -1))
+    pb = torch.cat(blocks, dim=1).contiguous() if blocks else torch.zeros(s, 0)
+    return pa, pb.to(torch.bfloat16)
 
 
 def is_bf16_rows(*tensors: torch.Tensor) -> bool:

@@ -1,5 +1,6 @@
 """LoRA deltas on a bfloat16 base by the native kernel (docs/lora.md, "How the deltas run"):
-``nb_lora_bf16`` against a float32 torch reference, and ``LoRALayers`` using it."""
+``nb_lora_bf16`` against a float32 torch reference (of the factors rounded to bfloat16, as
+they are kept on a bfloat16 base), and ``LoRALayers`` using it."""
 
 from __future__ import annotations
 
@@ -22,34 +23,48 @@ def _reference(
     out: torch.Tensor,
     slots: Sequence[int],
     factors: Sequence[tuple[torch.Tensor, torch.Tensor]],
-) -> torch.Tensor:
-    """``out[r] + B_s A_s x[r]`` in float32 per row with an adapter (unpadded factors)."""
-    ref = out.float().clone()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out[r] + B_s A_s x[r]`` in float32 per row with an adapter (unpadded factors),
+    and the same sum of absolute values (the scale of float32 rounding; ``_assert_...``)."""
+    ref, mag = out.float().clone(), out.float().abs()
     for r, s in enumerate(slots):
         if s >= 0:
             a, b = factors[s]
             ref[r] += b @ (a @ x[r].float())
-    return ref
+            mag[r] += b.abs() @ (a.abs() @ x[r].float().abs())
+    return ref, mag
 
 
-def _assert_rounded_once(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """``got`` is ``ref`` rounded to bfloat16 (within one bf16 step: float32 sums in
-    another order may round the other way at a tie)."""
-    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-30)
-    assert ((got.float() - ref).abs() <= ulp).all(), (got.float() - ref).abs().max()
+def _assert_rounded_once(got: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``got`` is ``ref`` rounded to bfloat16: within one bf16 step of it, plus a few
+    float32 steps of the summands' magnitude (float32 sums in another order differ by
+    that much, which decides the rounding where the delta cancels the base)."""
+    want, mag = ref
+    tol = torch.finfo(torch.bfloat16).eps * want.abs() + 4 * torch.finfo(torch.float32).eps * mag
+    err = (got.float() - want).abs()
+    assert (err <= tol).all(), (err - tol).max()
 
 
-def _padded(
+def _packed(
     factors: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout: A [S, R, K], B [S, R, N] (B transposed), ranks zero-padded."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One part covering every output, in the kernel's layout (``pack_lora_factors``):
+    A [S, R, K], B [S, R, N] (B transposed), ranks zero-padded; parts [[0, R, 0, N]]."""
     rank = max(a.shape[0] for a, _ in factors)
     big_a = torch.zeros(len(factors), rank, k)
     big_b = torch.zeros(len(factors), rank, n)
     for s, (a, b) in enumerate(factors):
         big_a[s, : a.shape[0]] = a
         big_b[s, : a.shape[0]] = b.t()
-    return big_a, big_b
+    pa, pb = native.pack_lora_factors(big_a.bfloat16(), [big_b.bfloat16()])
+    return pa, pb, torch.tensor([[0, rank, 0, n]])
+
+
+def _bf16(
+    factors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The factors as the kernel reads them: rounded to bfloat16 (back in float32)."""
+    return [(a.bfloat16().float(), b.bfloat16().float()) for a, b in factors]
 
 
 @pytest.mark.parametrize(
@@ -67,26 +82,86 @@ def test_kernel_matches_the_float32_reference(m: int, k: int, n: int) -> None:
     x = torch.randn(m, k, generator=gen).bfloat16()
     out = torch.randn(m, n, generator=gen).bfloat16()
     before = out.clone()
-    a, b = _padded(factors, k, n)
-    kernels.lora_(x, out, torch.tensor(slots, dtype=torch.int32), a, b, num_threads=2)
-    ref = _reference(x, before, slots, factors)
+    a, b, parts = _packed(factors, k, n)
+    kernels.lora_(x, out, torch.tensor(slots, dtype=torch.int32), a, b, parts, num_threads=2)
+    ref = _reference(x, before, slots, _bf16(factors))
     _assert_rounded_once(out, ref)
     base_rows = [r for r, s in enumerate(slots) if s < 0]
     assert torch.equal(out[base_rows], before[base_rows])  # untouched, bit for bit
 
 
+@pytest.mark.parametrize("m", [1, 6, 21])
+def test_kernel_gives_each_part_its_own_rank_columns(m: int) -> None:
+    """A fused layer (q/k/v as three parts, one not targeted by the second adapter): each
+    part's outputs get its own expand of its own rank columns; outputs of no part are
+    untouched."""
+    assert kernels is not None
+    k, widths, rank = 96, (48, 16, 16), 8
+    gen = torch.Generator().manual_seed(m)
+    n = sum(widths) + 5  # five outputs after the parts: no adapter writes them
+    # per adapter, per part: (A [rank, k], B [width, rank]); adapter 1 has no second part
+    per = [
+        [
+            (torch.randn(rank, k, generator=gen) / k**0.5, torch.randn(w, rank, generator=gen))
+            for w in widths
+        ]
+        for _ in range(2)
+    ]
+    per[1][1] = (torch.zeros(rank, k), torch.zeros(widths[1], rank))
+    spans, first = [], 0
+    for p, w in enumerate(widths):
+        spans.append([p * rank, rank, first, w])
+        first += w
+    a, b = native.pack_lora_factors(
+        torch.stack([torch.cat([pa for pa, _ in adapter]) for adapter in per]).bfloat16(),
+        [torch.stack([adapter[p][1].t() for adapter in per]).bfloat16() for p in range(3)],
+    )
+    slots = [(0, -1, 1)[r % 3] for r in range(m)]
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    out = torch.randn(m, n, generator=gen).bfloat16()
+    before = out.clone()
+    kernels.lora_(
+        x,
+        out,
+        torch.tensor(slots, dtype=torch.int32),
+        a,
+        b,
+        torch.tensor(spans),
+        num_threads=2,
+    )
+    ref, mag = before.float().clone(), before.float().abs()
+    for r, s in enumerate(slots):
+        if s >= 0:
+            for (pa, pb), (_, _, o, w) in zip(_bf16(per[s]), spans):
+                ref[r, o : o + w] += pb @ (pa @ x[r].float())
+                mag[r, o : o + w] += pb.abs() @ (pa.abs() @ x[r].float().abs())
+    _assert_rounded_once(out, (ref, mag))
+    assert torch.equal(out[:, sum(widths) :], before[:, sum(widths) :])
+    base_rows = [r for r, s in enumerate(slots) if s < 0]
+    assert torch.equal(out[base_rows], before[base_rows])
+
+
 def test_kernel_refuses_bad_slots_and_shapes() -> None:
     assert kernels is not None
-    x, out = torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16)
-    a, b = torch.ones(1, 2, 8), torch.ones(1, 2, 4)
+    bf = torch.bfloat16
+    x, out = torch.ones(2, 8, dtype=bf), torch.ones(2, 4, dtype=bf)
+    a, b = native.pack_lora_factors(torch.ones(1, 4, 8, dtype=bf), [torch.ones(1, 4, 4, dtype=bf)])
+    parts = torch.tensor([[0, 4, 0, 4]])
     for bad in ([0, 1], [-2, 0]):
         with pytest.raises(ValueError, match="slot"):
-            kernels.lora_(x, out, torch.tensor(bad, dtype=torch.int32), a, b)
-        assert torch.equal(out, torch.ones(2, 4, dtype=torch.bfloat16))  # unchanged
+            kernels.lora_(x, out, torch.tensor(bad, dtype=torch.int32), a, b, parts)
+        assert torch.equal(out, torch.ones(2, 4, dtype=bf))  # unchanged
+    zero = torch.zeros(2, dtype=torch.int32)
+    for bad_parts in ([[1, 4, 0, 4]], [[0, 4, 1, 4]], [[0, 3, 0, 4]]):  # past R, N; not b's size
+        with pytest.raises(ValueError, match="parts"):
+            kernels.lora_(x, out, zero, a, b, torch.tensor(bad_parts))
+        assert torch.equal(out, torch.ones(2, 4, dtype=bf))
     with pytest.raises(ValueError, match="do not fit"):
-        kernels.lora_(x, out, torch.zeros(2, dtype=torch.int32), a, torch.ones(1, 2, 5))
+        kernels.lora_(x, out, zero, a, torch.ones(2, b.shape[1], dtype=bf), parts)
     with pytest.raises(ValueError, match="do not fit"):
-        kernels.lora_(x.float(), out, torch.zeros(2, dtype=torch.int32), a, b)
+        kernels.lora_(x.float(), out, zero, a, b, parts)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.lora_(x, out, zero, a.float(), b, parts)
 
 
 class _Source:
@@ -108,7 +183,7 @@ class _Model(nn.Module):
             return [_Source(name, rows)]
 
 
-@pytest.mark.parametrize("rows", [1, 6, 40])
+@pytest.mark.parametrize("rows", [1, 6, 40, 300])  # 300: split between threads
 def test_layers_give_bf16_rows_the_float32_delta_rounded_once(rows: int) -> None:
     """On a bfloat16 base each adapter row's output is (base + float32 delta), rounded to
     bfloat16 once; base rows are the base layer's output."""
@@ -130,7 +205,7 @@ def test_layers_give_bf16_rows_the_float32_delta_rounded_once(rows: int) -> None
     assert layers.begin_step(spans)
     got = model.proj(x)
     layers.end_step()
-    _assert_rounded_once(got, _reference(x, base, slots, factors))
+    _assert_rounded_once(got, _reference(x, base, slots, _bf16(factors)))
     base_rows = [r for r, s in enumerate(slots) if s < 0]
     assert torch.equal(got[base_rows], base[base_rows])
     assert torch.equal(model.proj(x), base)  # after the step: the base again
