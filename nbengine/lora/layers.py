@@ -59,7 +59,9 @@ __all__ = ["NATIVE_PARALLEL_ROWS", "LoRALayers"]
 # threads; below it, one thread: a call of a decode step is tens of microseconds, about
 # what waking an OpenMP worker costs (more on a loaded machine). Measured 2026-12-02, 30
 # layers of the bench model, 4 rank-16 adapters, 2 threads vs 1 at load 2.6-3.0: 16 rows
-# 15-18 vs 3.0-3.3 ms per step, 64 rows 19-21 vs 13 ms, 512 rows 58-86 vs 83 ms.
+# 15-18 vs 3.0-3.3 ms per step, 64 rows 19-21 vs 13 ms, 512 rows 58-86 vs 83 ms. With
+# the AMX kernel (2026-12-03, quiet) a lower threshold (16) bought nothing on full W1:
+# 10.19 vs 10.13 s, median of 3.
 NATIVE_PARALLEL_ROWS = 256
 
 
@@ -418,10 +420,11 @@ class LoRALayers:
             packed.a.shape[2],
             n,
             na.shape[0],
-            na.shape[1] * 4,
+            na.shape[1] * 16,
             packed.parts.shape[0],
             nb.shape[1],
             self._native_threads,
+            1,  # the shrink on AMX tiles where the CPU has them
         )
         if status:
             raise RuntimeError(f"nb_lora_bf16 refused its arguments ({status}).")

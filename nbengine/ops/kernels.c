@@ -8,6 +8,7 @@
  * torch rounds. Each kernel takes the thread count to use (OpenMP; the library shares the
  * libgomp that torch loaded, so both use one thread pool).
  */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -16,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 /* ---- linear: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) ---------------------------------
  *
@@ -747,35 +750,171 @@ void nb_argmax_f32(const float *x, int64_t N, int64_t V, int64_t *out, int nthre
  * only: no block-diagonal zeros are read, and a fused layer's shrink is one pass over x
  * for all its parts.
  *
- * Layout (ops/native.py, pack_lora_factors, writes it): both factors are read front to
- * back as one stream, in the order the loops use them. A is [S, R4 / 4, K32 / 32, 4, 32]
- * (R and K zero-padded to multiples of 4 and 32): four ranks' 32 inputs in 256 bytes;
- * B is [S, BS], each part as [ceil(n / 16), r, 16] (outputs zero-padded to 16): a block
- * of 16 outputs holds every rank's 16 values. The factors are memory bound (each is
- * read once per step), so the loops prefetch the streams NB_PREFETCH_BYTES ahead, as
- * the linear kernels do.
+ * Layout (ops/native.py, pack_lora_factors, writes it): A is [S, R16 / 16, K32 / 32, 16,
+ * 16, 2] (R and K zero-padded to multiples of 16 and 32): each 1 KiB block holds 16 ranks
+ * by 32 inputs as 16 rows of input pairs, (A[r, 2i], A[r, 2i + 1]) for the 16 ranks r of
+ * row i. B is [S, BS], each part as [ceil(n / 16), r2 / 2, 16, 2] (r2: r rounded up to
+ * even, outputs zero-padded to 16): a block of 16 outputs holds rank pairs, (B[2j, o],
+ * B[2j + 1, o]) for its 16 outputs o. Both are the "VNNI" layout of an AMX B tile and of
+ * a dpbf16 outer product (a row times a broadcast pair gives 16 sums: no horizontal
+ * sums). The expand prefetches the B stream NB_PREFETCH_BYTES ahead, as the linear
+ * kernels do.
  *
- * The shrink h = A_s x is dot products of bf16 pairs (dpbf16: each product exact in
- * float32, float32 sums), the expand float32 (even and odd ranks summed apart, then
- * added to y's value), and y is rounded to bf16 once (nbengine/lora/layers.py is the
- * caller; its bmm path the reference). Rows are sorted by slot and taken up to four of
- * one slot at a time, so that every load of the factors feeds four rows. One call does a
- * whole hooked linear; with nthreads > 1 the tiles of rows are split between threads (a
- * row's sums do not depend on the split, so results are the same on any thread count).
- * Returns 0, or -1 (and changes nothing) if a slot is outside -1 .. S-1, a part outside
- * R4 or N, or BS not the parts' size. */
+ * Rows are sorted by slot and taken up to 16 of one slot at a time (a tile), copied into
+ * a zero-padded buffer. The shrink h = A_s x multiplies bf16 pairs (each product exact
+ * in float32) into float32 sums; the expand adds B_p^T h to y's value in float32, and y
+ * is rounded to bf16 once (nbengine/lora/layers.py is the caller; its bmm path the
+ * reference). With `amx` set, where the CPU and the OS allow AMX tiles, both run on them
+ * (TDPBF16PS: 16 rows by 16 outputs by up to 32 inputs per instruction), h entering the
+ * expand as three bf16 terms whose sum is h to float32 precision (nb_lora_split3); else
+ * the shrink is dpbf16 outer products and the expand float32 FMAs, four rows at a time.
+ * The two differ in float32 rounding order only. A row's sums depend on neither the
+ * other rows of its tile nor the thread count (AMX computes each row of a tile on its
+ * own). One call does a whole hooked linear; with nthreads > 1 the tiles are split
+ * between threads. Returns 0, or -1 (and changes nothing) if a slot is outside -1 ..
+ * S-1, R16 not a multiple of 16, a part outside R16 or N, or BS not the parts' size. */
+#define NB_LORA_ROWS 16 /* rows of a tile: an AMX tile's */
+
 static inline __mmask32 nb_mask32(int64_t left) {
     return left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
 }
 
-/* The expand of `nb` (1 or 2, a constant where inlined) consecutive blocks of 16 outputs
- * of one part, for a tile's rows: bb is the first block ([r, 16] bf16 each), `left` the
- * part's outputs from the first block on. Each block's sums are the same whatever nb. */
+/* Whether AMX bf16 tiles can be used: the CPU has them (CPUID.7.0:EDX bits 22 and 24)
+ * and Linux grants this process their state (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA; a process must ask before its first tile instruction). Asked once;
+ * two threads asking at once both get the same answer. */
+static int nb_amx_usable(void) {
+    static _Atomic int state = 0; /* 0: not asked yet, 1: usable, -1: not */
+    int s = atomic_load(&state);
+    if (s == 0) {
+        unsigned a, b, c, d;
+        int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+        if (ok) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+        s = ok ? 1 : -1;
+        atomic_store(&state, s);
+    }
+    return s > 0;
+}
+
+int nb_lora_amx_usable(void) { return nb_amx_usable(); }
+
+/* The LDTILECFG operand: palette 1, every tile used here 16 rows of 64 bytes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} nb_tile_config;
+
+/* h[i, g * 16 + j] = sum over k of xb[i, k] a[g's rank j, k], for the tile's 16 rows
+ * (xb [16, kc * 32], zero-padded; rows past the tile's hold stale values, whose sums are
+ * not used) and the G rank groups: four groups' sums in tiles 0-3 at a time, tile 4 the
+ * rows' 32 inputs, tiles 5-7 the groups' blocks. */
+__attribute__((target("amx-tile,amx-bf16"))) static void nb_lora_shrink_amx(
+    const uint16_t *xb, const uint16_t *a, int64_t kc, int64_t G, float *h, int64_t R16) {
+    nb_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t ng = G - g0 < 4 ? G - g0 : 4;
+        const uint16_t *ag = a + g0 * kc * 512; /* block (g0, 0); a group is kc blocks */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < kc; c++) {
+            _tile_loadd(4, xb + c * 32, kc * 64);
+            _tile_loadd(5, ag + c * 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (ng > 1) {
+                _tile_loadd(6, ag + (kc + c) * 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (ng > 2) {
+                _tile_loadd(7, ag + (2 * kc + c) * 512, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (ng > 3) {
+                _tile_loadd(5, ag + (3 * kc + c) * 512, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        float *hg = h + g0 * 16;
+        _tile_stored(0, hg, R16 * 4);
+        if (ng > 1) _tile_stored(1, hg + 16, R16 * 4);
+        if (ng > 2) _tile_stored(2, hg + 32, R16 * 4);
+        if (ng > 3) _tile_stored(3, hg + 48, R16 * 4);
+    }
+    _tile_release();
+}
+
+/* Rows i0 .. i0 + NR - 1 of the dpbf16 shrink, rank groups g and g + 1 (NG of them);
+ * NR and NG are constants where inlined (NR * NG independent sums cover dpbf16's
+ * latency). */
+static inline __attribute__((always_inline)) void nb_lora_shrink_dp_rows(
+    const uint16_t *xr, int64_t k32, const uint16_t *a0, const uint16_t *a1, float *h,
+    int64_t R16, const int NR, const int NG) {
+    __m512 acc[2][8];
+    for (int u = 0; u < NG; u++)
+        for (int i = 0; i < NR; i++) acc[u][i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k32 / 2; p++) { /* input pair p: row p % 16 of block p / 16 */
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(a0 + p * 32);
+        const __m512bh b1 = NG > 1 ? (__m512bh)_mm512_loadu_si512(a1 + p * 32) : b0;
+#pragma GCC unroll 8
+        for (int i = 0; i < NR; i++) {
+            int32_t pair;
+            memcpy(&pair, xr + i * k32 + 2 * p, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[0][i] = _mm512_dpbf16_ps(acc[0][i], b0, xv);
+            if (NG > 1) acc[1][i] = _mm512_dpbf16_ps(acc[1][i], b1, xv);
+        }
+    }
+    for (int u = 0; u < NG; u++)
+        for (int i = 0; i < NR; i++) _mm512_storeu_ps(h + i * R16 + 16 * u, acc[u][i]);
+}
+
+/* The same sums by dpbf16 outer products, for the tile's nr rows eight (or, for the last
+ * four or fewer, four) at a time (rows past nr are stale, their sums not used) and two
+ * rank groups at a time. */
+static void nb_lora_shrink_dp(const uint16_t *xb, int nr, const uint16_t *a, int64_t kc,
+                              int64_t G, float *h, int64_t R16) {
+    const int64_t k32 = kc * 32;
+    for (int64_t i0 = 0; i0 < nr;) {
+        const int eight = nr - i0 > 4;
+        const uint16_t *xr = xb + i0 * k32;
+        for (int64_t g = 0; g < G; g += 2) {
+            const uint16_t *a0 = a + g * kc * 512, *a1 = a0 + kc * 512;
+            float *hg = h + i0 * R16 + g * 16;
+            if (g + 1 < G) {
+                if (eight)
+                    nb_lora_shrink_dp_rows(xr, k32, a0, a1, hg, R16, 8, 2);
+                else
+                    nb_lora_shrink_dp_rows(xr, k32, a0, a1, hg, R16, 4, 2);
+            } else if (eight) {
+                nb_lora_shrink_dp_rows(xr, k32, a0, a0, hg, R16, 8, 1);
+            } else {
+                nb_lora_shrink_dp_rows(xr, k32, a0, a0, hg, R16, 4, 1);
+            }
+        }
+        i0 += eight ? 8 : 4;
+    }
+}
+
+/* The float32 expand of `nb` (1 or 2, a constant where inlined) consecutive blocks of 16
+ * outputs of one part, for up to four rows: bb is the first block ([pr2 / 2, 16, 2] bf16
+ * each: rank pairs), `left` the part's outputs from the first block on, h the rows' sums
+ * (row stride R16). Each block's sums are the same whatever nb. */
 static inline __attribute__((always_inline)) void nb_lora_expand(
-    const uint16_t *bb, const float *h, int64_t c, int64_t pr, int64_t R4, uint16_t *const *yr,
+    const uint16_t *bb, const float *h, int64_t c, int64_t pr, int64_t R16, uint16_t *const *yr,
     int nr, int64_t o, int64_t left, const int nb) {
+    const int64_t pr2 = pr + (pr & 1);
     const char *ahead = (const char *)bb + NB_PREFETCH_BYTES;
-    for (int64_t l = 0; l < (nb * pr * 32 + 63) / 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    for (int64_t l = 0; l < (nb * pr2 * 32 + 63) / 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     __m512 even[2][4], odd[2][4];
     for (int u = 0; u < nb; u++)
         for (int i = 0; i < 4; i++) even[u][i] = odd[u][i] = _mm512_setzero_ps();
@@ -783,25 +922,27 @@ static inline __attribute__((always_inline)) void nb_lora_expand(
     for (; j + 2 <= pr; j += 2) {
 #pragma GCC unroll 2
         for (int u = 0; u < nb; u++) {
-            const uint16_t *bu = bb + u * pr * 16 + j * 16;
-            const __m512 b0 = nb_load16(bu, 0xffff), b1 = nb_load16(bu + 16, 0xffff);
+            const __m512i w = _mm512_loadu_si512(bb + u * pr2 * 16 + j * 16);
+            const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));   /* rank j */
+            const __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(w, high));  /* j + 1 */
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
-                even[u][i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[u][i]);
-                odd[u][i] = _mm512_fmadd_ps(b1, _mm512_set1_ps(h[i * R4 + c + j + 1]), odd[u][i]);
+                even[u][i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R16 + c + j]), even[u][i]);
+                odd[u][i] = _mm512_fmadd_ps(b1, _mm512_set1_ps(h[i * R16 + c + j + 1]), odd[u][i]);
             }
         }
     }
-    if (j < pr) {
+    if (j < pr) { /* an odd rank: the last pair's second rank is padding */
         for (int u = 0; u < nb; u++) {
-            const __m512 b0 = nb_load16(bb + u * pr * 16 + j * 16, 0xffff);
+            const __m512i w = _mm512_loadu_si512(bb + u * pr2 * 16 + j * 16);
+            const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
             for (int i = 0; i < 4; i++)
-                even[u][i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R4 + c + j]), even[u][i]);
+                even[u][i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(h[i * R16 + c + j]), even[u][i]);
         }
     }
     for (int u = 0; u < nb; u++) {
         const __mmask16 mk = nb_mask(left - 16 * u);
-        for (int i = 0; i < nr; i++) {  /* padding rows: not stored */
+        for (int i = 0; i < nr; i++) { /* rows past the tile's: not stored */
             const __m512 d = _mm512_add_ps(even[u][i], odd[u][i]);
             uint16_t *yo = yr[i] + o + 16 * u;
             nb_store16_bf16(yo, mk, _mm512_add_ps(nb_load16(yo, mk), d));
@@ -809,90 +950,183 @@ static inline __attribute__((always_inline)) void nb_lora_expand(
     }
 }
 
+/* h [16, R16] float32 as three bf16 terms, hs [3, 16, R16 + 2] (the last two columns
+ * stay zero: an odd part's padding rank reads them): hi = h rounded, mid = (h - hi)
+ * rounded, lo = (h - hi - mid) rounded, so hi + mid + lo is h to about 2^-24 of it and
+ * three bf16 products give the float32 expand's precision. Rows 0 .. nr - 1. */
+static void nb_lora_split3(const float *h, int nr, int64_t R16, uint16_t *hs) {
+    const int64_t RP = R16 + 2;
+    for (int i = 0; i < nr; i++)
+        for (int64_t j = 0; j < R16; j += 16) {
+            const __m512 v = _mm512_loadu_ps(h + i * R16 + j);
+            const __m256bh hi = _mm512_cvtneps_pbh(v);
+            const __m512 r1 = _mm512_sub_ps(v, _mm512_cvtpbh_ps(hi));
+            const __m256bh mid = _mm512_cvtneps_pbh(r1);
+            const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, _mm512_cvtpbh_ps(mid)));
+            _mm256_storeu_si256((__m256i *)(hs + i * RP + j), (__m256i)hi);
+            _mm256_storeu_si256((__m256i *)(hs + (16 + i) * RP + j), (__m256i)mid);
+            _mm256_storeu_si256((__m256i *)(hs + (32 + i) * RP + j), (__m256i)lo);
+        }
+}
+
+/* Whether a part's expand runs on AMX: its padded rank pr2 is one K step of TDPBF16PS
+ * (<= 32) or whole ones (vLLM's ranks 8 .. 512 all are). */
+static inline int nb_lora_amx_rank(int64_t pr2) { return pr2 <= 32 || pr2 % 32 == 0; }
+
+/* One part's expand on AMX tiles for the tile's rows: C[16, 16 outputs] = sum of the
+ * three terms of hs (tiles 3-5: rank columns c .. c + pc - 1, pc <= 32 per K step) by
+ * the block's rank pairs (tiles 6-7), two blocks at a time in tiles 0-1; then each row's
+ * y += C, rounded to bf16 once. cs [2, 16, 16] float32 is scratch. */
+__attribute__((target("amx-tile,amx-bf16"))) static void nb_lora_expand_amx(
+    const uint16_t *bp, const uint16_t *hs, int64_t R16, int64_t c, int64_t pr2,
+    uint16_t *const *yr, int nr, int64_t o, int64_t pn, float *cs) {
+    const int64_t RP = R16 + 2, pc = pr2 < 32 ? pr2 : 32, steps = pr2 / pc;
+    const int64_t bblock = pr2 * 16, blocks = (pn + 15) / 16; /* elements of one block */
+    nb_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    for (int t = 3; t < 6; t++) cfg.colsb[t] = (uint16_t)(pc * 2);
+    cfg.rows[6] = cfg.rows[7] = (uint8_t)(pc / 2);
+    _tile_loadconfig(&cfg);
+    const uint16_t *h0 = hs + c, *h1 = hs + 16 * RP + c, *h2 = hs + 32 * RP + c;
+    if (steps == 1) {
+        _tile_loadd(3, h0, RP * 2);
+        _tile_loadd(4, h1, RP * 2);
+        _tile_loadd(5, h2, RP * 2);
+    }
+    for (int64_t t = 0; t < blocks; t += 2) {
+        const int two = t + 1 < blocks;
+        const uint16_t *b0 = bp + t * bblock;
+        for (int l = 0; l < (int)((2 * bblock * 2) / 64); l++)
+            _mm_prefetch((const char *)b0 + NB_PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t q = 0; q < steps; q++) {
+            if (steps > 1) {
+                _tile_loadd(3, h0 + 32 * q, RP * 2);
+                _tile_loadd(4, h1 + 32 * q, RP * 2);
+                _tile_loadd(5, h2 + 32 * q, RP * 2);
+            }
+            _tile_loadd(6, b0 + q * 512, 64);
+            if (two) _tile_loadd(7, b0 + bblock + q * 512, 64);
+            _tile_dpbf16ps(0, 3, 6);
+            if (two) _tile_dpbf16ps(1, 3, 7);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(0, 5, 6);
+            if (two) _tile_dpbf16ps(1, 5, 7);
+        }
+        _tile_stored(0, cs, 64);
+        if (two) _tile_stored(1, cs + 256, 64);
+        for (int u = 0; u <= two; u++) {
+            const __mmask16 mk = nb_mask(pn - 16 * (t + u));
+            for (int i = 0; i < nr; i++) {
+                uint16_t *yo = yr[i] + o + 16 * (t + u);
+                const __m512 d = _mm512_loadu_ps(cs + u * 256 + i * 16);
+                nb_store16_bf16(yo, mk, _mm512_add_ps(nb_load16(yo, mk), d));
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* One tile: `nr` (1 .. 16) rows of one slot, whose factors are a and b. The calling
+ * thread's scratch: xb [16, K32], h [16, R16], hs [3, 16, R16 + 2], cs [2, 16, 16]. */
 static void nb_lora_tile(const uint16_t *x, uint16_t *y, const int32_t *rows, int nr,
                          const uint16_t *a, const uint16_t *b, const int64_t *parts,
-                         int64_t P, int64_t K, int64_t N, int64_t R4, float *h /* [4, R4] */) {
-    const int64_t kc = (K + 31) / 32;
-    const uint16_t *xr[4];
-    for (int i = 0; i < 4; i++) xr[i] = x + rows[i < nr ? i : nr - 1] * K;  /* padding: repeat */
-    for (int64_t g = 0; g < R4 / 4; g++) {  /* four ranks by four rows: sixteen sums */
-        __m512 acc[4][4];
-        for (int j = 0; j < 4; j++)
-            for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
-        const uint16_t *ag = a + g * kc * 128;
-        for (int64_t c = 0; c < kc; c++) {
-            const uint16_t *ac = ag + c * 128;
-            const char *ahead = (const char *)ac + NB_PREFETCH_BYTES;
-            for (int l = 0; l < 4; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-            const __mmask32 mk = nb_mask32(K - c * 32);
-            __m512bh av[4], xv[4];
-            for (int j = 0; j < 4; j++) av[j] = (__m512bh)_mm512_loadu_si512(ac + 32 * j);
-            for (int i = 0; i < 4; i++)
-                xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mk, xr[i] + c * 32);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++)
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], av[j], xv[i]);
-        }
-        for (int j = 0; j < 4; j++)
-            for (int i = 0; i < 4; i++) h[i * R4 + 4 * g + j] = _mm512_reduce_add_ps(acc[j][i]);
+                         int64_t P, int64_t K, int64_t N, int64_t R16, int amx, uint16_t *xb,
+                         float *h, uint16_t *hs, float *cs) {
+    const int64_t kc = (K + 31) / 32, k32 = kc * 32;
+    for (int i = 0; i < nr; i++) {
+        memcpy(xb + i * k32, x + rows[i] * K, sizeof(uint16_t) * (size_t)K);
+        memset(xb + i * k32 + K, 0, sizeof(uint16_t) * (size_t)(k32 - K));
     }
-    uint16_t *yr[4];
-    for (int i = 0; i < 4; i++) yr[i] = y + rows[i < nr ? i : nr - 1] * N;
+    if (amx) {
+        nb_lora_shrink_amx(xb, a, kc, R16 / 16, h, R16);
+        nb_lora_split3(h, nr, R16, hs);
+    } else {
+        nb_lora_shrink_dp(xb, nr, a, kc, R16 / 16, h, R16);
+    }
+    uint16_t *yr[NB_LORA_ROWS];
+    for (int i = 0; i < nr; i++) yr[i] = y + rows[i] * N;
     const uint16_t *bp = b;
     for (int64_t p = 0; p < P; p++) {
         const int64_t c = parts[4 * p], pr = parts[4 * p + 1], o = parts[4 * p + 2];
-        const int64_t pn = parts[4 * p + 3], blocks = (pn + 15) / 16;
-        int64_t t = 0;
-        for (; t + 2 <= blocks; t += 2)  /* two blocks at a time: sixteen independent sums */
-            nb_lora_expand(bp + t * pr * 16, h, c, pr, R4, yr, nr, o + t * 16, pn - t * 16, 2);
-        if (t < blocks)
-            nb_lora_expand(bp + t * pr * 16, h, c, pr, R4, yr, nr, o + t * 16, pn - t * 16, 1);
-        bp += blocks * pr * 16;
+        const int64_t pn = parts[4 * p + 3], blocks = (pn + 15) / 16, pr2 = pr + (pr & 1);
+        if (pr == 0) continue;
+        if (amx && nb_lora_amx_rank(pr2)) {
+            nb_lora_expand_amx(bp, hs, R16, c, pr2, yr, nr, o, pn, cs);
+        } else {
+            for (int i0 = 0; i0 < nr; i0 += 4) {
+                const int n4 = nr - i0 < 4 ? nr - i0 : 4;
+                uint16_t *y4[4];
+                for (int i = 0; i < 4; i++) y4[i] = yr[i0 + (i < n4 ? i : n4 - 1)];
+                const float *h4 = h + i0 * R16;
+                int64_t t = 0;
+                for (; t + 2 <= blocks; t += 2) /* two blocks at a time: sixteen sums */
+                    nb_lora_expand(bp + t * pr2 * 16, h4, c, pr, R16, y4, n4, o + t * 16,
+                                   pn - t * 16, 2);
+                if (t < blocks)
+                    nb_lora_expand(bp + t * pr2 * 16, h4, c, pr, R16, y4, n4, o + t * 16,
+                                   pn - t * 16, 1);
+            }
+        }
+        bp += blocks * pr2 * 16;
     }
 }
 
 int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint16_t *A,
                  const uint16_t *B, const int64_t *parts, int64_t M, int64_t K, int64_t N,
-                 int64_t S, int64_t R4, int64_t P, int64_t BS, int nthreads) {
+                 int64_t S, int64_t R16, int64_t P, int64_t BS, int nthreads, int amx) {
     for (int64_t m = 0; m < M; m++)
         if (slot[m] < -1 || slot[m] >= S) return -1;
-    if (R4 % 4) return -1;
+    if (R16 % 16) return -1;
     int64_t bs = 0;
     for (int64_t p = 0; p < P; p++) {
         const int64_t c = parts[4 * p], pr = parts[4 * p + 1], o = parts[4 * p + 2];
         const int64_t pn = parts[4 * p + 3];
-        if (c < 0 || pr < 0 || c + pr > R4 || o < 0 || pn < 0 || o + pn > N) return -1;
-        bs += pr * ((pn + 15) / 16) * 16;
+        if (c < 0 || pr < 0 || c + pr > R16 || o < 0 || pn < 0 || o + pn > N) return -1;
+        bs += (pr + (pr & 1)) * ((pn + 15) / 16) * 16;
     }
     if (bs != BS) return -1;
-    if (M == 0 || R4 == 0) return 0;
-    /* rows with an adapter, by slot (a counting sort), then tiles of <= 4 rows of one slot */
+    if (M == 0 || R16 == 0) return 0;
+    amx = amx && nb_amx_usable();
+    /* rows with an adapter, by slot (a counting sort), then tiles of <= 16 rows of one slot */
     int32_t *order = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
-    int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M + S));  /* first of each */
+    int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M + S)); /* first of each */
     int64_t used = 0, ntiles = 0;
     for (int64_t s = 0; s < S; s++) {
         int64_t in_slot = 0;
         for (int64_t m = 0; m < M; m++)
             if (slot[m] == s) {
-                if (in_slot++ % 4 == 0) tiles[ntiles++] = used;
+                if (in_slot++ % NB_LORA_ROWS == 0) tiles[ntiles++] = used;
                 order[used++] = (int32_t)m;
             }
     }
-    const int64_t a_slot = R4 * ((K + 31) / 32) * 32;
+    const int64_t a_slot = R16 * ((K + 31) / 32) * 32;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && ntiles > 1)
     {
-        float *h = (float *)malloc(sizeof(float) * (size_t)(4 * R4));
+        uint16_t *xb = (uint16_t *)calloc((size_t)(NB_LORA_ROWS * ((K + 31) / 32) * 32), 2);
+        float *h = (float *)malloc(sizeof(float) * (size_t)(NB_LORA_ROWS * R16));
+        uint16_t *hs = (uint16_t *)calloc((size_t)(3 * NB_LORA_ROWS * (R16 + 2)), 2);
+        float *cs = (float *)malloc(sizeof(float) * 2 * NB_LORA_ROWS * 16);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) {
             const int64_t first = tiles[t];
             const int32_t s = slot[order[first]];
             int nr = 1;
-            while (nr < 4 && first + nr < used && slot[order[first + nr]] == s) nr++;
+            while (nr < NB_LORA_ROWS && first + nr < used && slot[order[first + nr]] == s) nr++;
             nb_lora_tile(x, y, order + first, nr, A + (int64_t)s * a_slot, B + (int64_t)s * BS,
-                         parts, P, K, N, R4, h);
+                         parts, P, K, N, R16, amx, xb, h, hs, cs);
         }
+        free(xb);
         free(h);
+        free(hs);
+        free(cs);
     }
     free(order);
     free(tiles);

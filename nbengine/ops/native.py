@@ -74,7 +74,8 @@ _SIGNATURES: dict[str, list[type]] = {
     ],
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _P, _P],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
-    "nb_lora_bf16": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT],
+    "nb_lora_bf16": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "nb_lora_amx_usable": [],
     "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
     "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
@@ -107,6 +108,10 @@ class NativeKernels:
         # it returns -1, writing nothing, for a slot or part out of range.
         self.lora_raw = lib.nb_lora_bf16
         self.lora_raw.restype = ctypes.c_int
+        lib.nb_lora_amx_usable.restype = ctypes.c_int
+        # Whether nb_lora_bf16's shrink runs on AMX tiles when asked (``amx=1``): the CPU
+        # has them and Linux granted this process their state (asked on the first call).
+        self.lora_amx = bool(lib.nb_lora_amx_usable())
         self._linear_q8 = lib.nb_linear_q8
         self._linear_q4 = lib.nb_linear_q4
         self._dequantize = lib.nb_dequantize_bf16
@@ -411,6 +416,7 @@ class NativeKernels:
         b: torch.Tensor,
         parts: torch.Tensor,
         num_threads: int = 1,
+        amx: bool = True,
     ) -> None:
         """LoRA deltas in place: for each row ``m`` with ``s = slots[m] >= 0``, part ``p``
         of ``parts`` (``(c, r, o, n)``: rank columns ``c .. c+r-1``, outputs ``o .. o+n-1``)
@@ -419,7 +425,9 @@ class NativeKernels:
         ``x`` bfloat16 ``[M, K]``, ``out`` bfloat16 ``[M, N]``, ``slots`` int32 ``[M]``
         (-1: the row is left as it is), ``a`` and ``b`` the factors as
         ``pack_lora_factors`` lays them out, ``parts`` int64 ``[P, 4]``, all contiguous;
-        the sums are float32 and ``out`` is rounded to bfloat16 once. Raises ValueError on
+        the sums are float32 and ``out`` is rounded to bfloat16 once; ``amx``: the shrink on
+        AMX tiles where ``lora_amx`` (else dpbf16; the sums differ in float32 order only).
+        Raises ValueError on
         shapes, dtypes, slots or parts that do not fit (the kernel reads no memory outside
         its arguments); ``out`` is then unchanged.
         """
@@ -430,8 +438,8 @@ class NativeKernels:
             and slots.dtype == torch.int32
             and parts.dtype == torch.int64
             and out.shape == (m, n)
-            and a.dim() == 5
-            and a.shape[2:] == ((k + 31) // 32, 4, 32)
+            and a.dim() == 6
+            and a.shape[2:] == ((k + 31) // 32, 16, 16, 2)
             and b.dim() == 2
             and b.shape[0] == s
             and parts.dim() == 2
@@ -445,7 +453,7 @@ class NativeKernels:
                 f"b {tuple(b.shape)} {b.dtype}, parts {tuple(parts.shape)} {parts.dtype} "
                 "do not fit (see the docstring)."
             )
-        r4 = a.shape[1] * 4
+        r16 = a.shape[1] * 16
         status = self.lora_raw(
             x.data_ptr(),
             out.data_ptr(),
@@ -457,15 +465,16 @@ class NativeKernels:
             k,
             n,
             s,
-            r4,
+            r16,
             parts.shape[0],
             b.shape[1],
             num_threads,
+            int(amx),
         )
         if status:
             raise ValueError(
                 f"lora_: slots holds a slot outside -1 .. {s - 1}, or parts a part outside "
-                f"the {r4} rank columns, {n} outputs or {b.shape[1]} values of b; out is "
+                f"the {r16} rank columns, {n} outputs or {b.shape[1]} values of b; out is "
                 "unchanged."
             )
 
@@ -479,22 +488,28 @@ class NativeKernels:
 def pack_lora_factors(
     a: torch.Tensor, b_parts: list[torch.Tensor] | tuple[torch.Tensor, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LoRA factors in the layout ``nb_lora_bf16`` streams (kernels.c, "LoRA deltas"):
-    ``a`` ``[S, R, K]`` (the parts' shrinks stacked) as bfloat16 ``[S, ceil(R/4),
-    ceil(K/32), 4, 32]``, and each part's expand ``[S, r, n]`` (transposed) as ``[S,
-    ceil(n/16), r, 16]``, part after part, in one bfloat16 ``[S, BS]``; zero-padded."""
+    """LoRA factors in the layout ``nb_lora_bf16`` reads (kernels.c, "LoRA deltas"):
+    ``a`` ``[S, R, K]`` (the parts' shrinks stacked) as bfloat16 ``[S, ceil(R/16),
+    ceil(K/32), 16, 16, 2]`` (blocks of 16 ranks by 16 input pairs), and each part's
+    expand ``[S, r, n]`` (transposed) as ``[S, ceil(n/16), ceil(r/2), 16, 2]`` (blocks of
+    16 outputs by rank pairs), part after part, in one bfloat16 ``[S, BS]``: AMX's
+    "VNNI" tiles, zero-padded."""
     s, r, k = a.shape
-    r4, k32 = -(-r // 4) * 4, -(-k // 32) * 32
-    pa = torch.zeros(s, r4, k32, dtype=torch.bfloat16)
+    r16, k32 = -(-r // 16) * 16, -(-k // 32) * 32
+    pa = torch.zeros(s, r16, k32, dtype=torch.bfloat16)
     pa[:, :r, :k] = a
-    pa = pa.view(s, r4 // 4, 4, k32 // 32, 32).permute(0, 1, 3, 2, 4).contiguous()
+    # [s, rank group, 16 ranks, block, 16 pairs, 2] -> [s, group, block, pair, rank, 2]
+    pa = pa.view(s, r16 // 16, 16, k32 // 32, 16, 2).permute(0, 1, 3, 4, 2, 5).contiguous()
     blocks: list[torch.Tensor] = []
     for bp in b_parts:
         pr, pn = bp.shape[1], bp.shape[2]
-        n16 = -(-pn // 16) * 16
-        padded = torch.zeros(s, pr, n16, dtype=torch.bfloat16)
-        padded[:, :, :pn] = bp
-        blocks.append(padded.view(s, pr, n16 // 16, 16).permute(0, 2, 1, 3).reshape(s, -1))
+        r2, n16 = pr + pr % 2, -(-pn // 16) * 16
+        padded = torch.zeros(s, r2, n16, dtype=torch.bfloat16)
+        padded[:, :pr, :pn] = bp
+        # [s, pair, 2, block, 16] -> [s, block, pair, 16, 2]
+        blocks.append(
+            padded.view(s, r2 // 2, 2, n16 // 16, 16).permute(0, 3, 1, 4, 2).reshape(s, -1)
+        )
     pb = torch.cat(blocks, dim=1).contiguous() if blocks else torch.zeros(s, 0)
     return pa, pb.to(torch.bfloat16)
 

@@ -16,6 +16,18 @@ from nbengine.ops import native
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason=str(native.unavailable_reason()))
+# The shrink on AMX tiles (where this CPU has them) and by dpbf16: the same sums but for
+# their float32 order, so both meet the same reference.
+SHRINKS = [
+    pytest.param(
+        True,
+        id="amx",
+        marks=pytest.mark.skipif(
+            kernels is None or not kernels.lora_amx, reason="no AMX tiles on this CPU"
+        ),
+    ),
+    pytest.param(False, id="dpbf16"),
+]
 
 
 def _reference(
@@ -67,10 +79,12 @@ def _bf16(
     return [(a.bfloat16().float(), b.bfloat16().float()) for a, b in factors]
 
 
+@pytest.mark.parametrize("amx", SHRINKS)
 @pytest.mark.parametrize(
-    ("m", "k", "n"), [(1, 576, 960), (3, 40, 24), (17, 100, 37), (64, 1536, 576), (5, 7, 3)]
+    ("m", "k", "n"),
+    [(1, 576, 960), (3, 40, 24), (17, 100, 37), (64, 1536, 576), (5, 7, 3), (40, 64, 33)],
 )
-def test_kernel_matches_the_float32_reference(m: int, k: int, n: int) -> None:
+def test_kernel_matches_the_float32_reference(m: int, k: int, n: int, amx: bool) -> None:
     assert kernels is not None
     gen = torch.Generator().manual_seed(m * 1000 + k)
     # two adapters of different ranks (16 and 5, zero-padded to 16) and rows of neither
@@ -83,15 +97,18 @@ def test_kernel_matches_the_float32_reference(m: int, k: int, n: int) -> None:
     out = torch.randn(m, n, generator=gen).bfloat16()
     before = out.clone()
     a, b, parts = _packed(factors, k, n)
-    kernels.lora_(x, out, torch.tensor(slots, dtype=torch.int32), a, b, parts, num_threads=2)
+    kernels.lora_(
+        x, out, torch.tensor(slots, dtype=torch.int32), a, b, parts, num_threads=2, amx=amx
+    )
     ref = _reference(x, before, slots, _bf16(factors))
     _assert_rounded_once(out, ref)
     base_rows = [r for r, s in enumerate(slots) if s < 0]
     assert torch.equal(out[base_rows], before[base_rows])  # untouched, bit for bit
 
 
+@pytest.mark.parametrize("amx", SHRINKS)
 @pytest.mark.parametrize("m", [1, 6, 21])
-def test_kernel_gives_each_part_its_own_rank_columns(m: int) -> None:
+def test_kernel_gives_each_part_its_own_rank_columns(m: int, amx: bool) -> None:
     """A fused layer (q/k/v as three parts, one not targeted by the second adapter): each
     part's outputs get its own expand of its own rank columns; outputs of no part are
     untouched."""
@@ -128,6 +145,7 @@ def test_kernel_gives_each_part_its_own_rank_columns(m: int) -> None:
         b,
         torch.tensor(spans),
         num_threads=2,
+        amx=amx,
     )
     ref, mag = before.float().clone(), before.float().abs()
     for r, s in enumerate(slots):
@@ -152,7 +170,8 @@ def test_kernel_refuses_bad_slots_and_shapes() -> None:
             kernels.lora_(x, out, torch.tensor(bad, dtype=torch.int32), a, b, parts)
         assert torch.equal(out, torch.ones(2, 4, dtype=bf))  # unchanged
     zero = torch.zeros(2, dtype=torch.int32)
-    for bad_parts in ([[1, 4, 0, 4]], [[0, 4, 1, 4]], [[0, 3, 0, 4]]):  # past R, N; not b's size
+    # past the 16 rank columns (4 padded to 16), past N; not b's size
+    for bad_parts in ([[13, 4, 0, 4]], [[0, 4, 1, 4]], [[0, 2, 0, 4]]):
         with pytest.raises(ValueError, match="parts"):
             kernels.lora_(x, out, zero, a, b, torch.tensor(bad_parts))
         assert torch.equal(out, torch.ones(2, 4, dtype=bf))
@@ -209,3 +228,26 @@ def test_layers_give_bf16_rows_the_float32_delta_rounded_once(rows: int) -> None
     base_rows = [r for r, s in enumerate(slots) if s < 0]
     assert torch.equal(got[base_rows], base[base_rows])
     assert torch.equal(model.proj(x), base)  # after the step: the base again
+
+
+@pytest.mark.parametrize("amx", SHRINKS)
+def test_a_rows_delta_does_not_depend_on_its_batch(amx: bool) -> None:
+    """A row's output is the same bit for bit alone, among 15 rows of its adapter (one
+    tile) and among 40 (three tiles, on two threads): rows of a tile are summed apart."""
+    assert kernels is not None
+    k, n = 576, 960
+    gen = torch.Generator().manual_seed(7)
+    factors = [(torch.randn(16, k, generator=gen) / k**0.5, torch.randn(n, 16, generator=gen))]
+    a, b, parts = _packed(factors, k, n)
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    out = torch.randn(40, n, generator=gen).bfloat16()
+
+    def run(rows: slice, threads: int) -> torch.Tensor:
+        got = out[rows].clone()
+        slots = torch.zeros(got.shape[0], dtype=torch.int32)
+        kernels.lora_(x[rows].contiguous(), got, slots, a, b, parts, num_threads=threads, amx=amx)
+        return got
+
+    alone = run(slice(5, 6), 1)
+    assert torch.equal(run(slice(0, 15), 1)[5], alone[0])
+    assert torch.equal(run(slice(0, 40), 2)[5], alone[0])
