@@ -805,6 +805,16 @@ typedef struct {
     uint8_t rows[16];
 } nb_tile_config;
 
+/* Palette 1 with tiles 0-7 all 16 rows of 64 bytes (callers narrow some after). */
+static void nb_tile_config_full(nb_tile_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg->colsb[t] = 64;
+        cfg->rows[t] = 16;
+    }
+}
+
 /* h[i, g * 16 + j] = sum over k of xb[i, k] a[g's rank j, k], for the tile's 16 rows
  * (xb [16, kc * 32], zero-padded; rows past the tile's hold stale values, whose sums are
  * not used) and the G rank groups: four groups' sums in tiles 0-3 at a time, tile 4 the
@@ -812,12 +822,7 @@ typedef struct {
 __attribute__((target("amx-tile,amx-bf16"))) static void nb_lora_shrink_amx(
     const uint16_t *xb, const uint16_t *a, int64_t kc, int64_t G, float *h, int64_t R16) {
     nb_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
+    nb_tile_config_full(&cfg);
     _tile_loadconfig(&cfg);
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t ng = G - g0 < 4 ? G - g0 : 4;
@@ -983,12 +988,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void nb_lora_expand_amx(
     const int64_t RP = R16 + 2, pc = pr2 < 32 ? pr2 : 32, steps = pr2 / pc;
     const int64_t bblock = pr2 * 16, blocks = (pn + 15) / 16; /* elements of one block */
     nb_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
+    nb_tile_config_full(&cfg);
     for (int t = 3; t < 6; t++) cfg.colsb[t] = (uint16_t)(pc * 2);
     cfg.rows[6] = cfg.rows[7] = (uint8_t)(pc / 2);
     _tile_loadconfig(&cfg);
