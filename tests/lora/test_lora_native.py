@@ -251,3 +251,22 @@ def test_a_rows_delta_does_not_depend_on_its_batch(amx: bool) -> None:
     alone = run(slice(5, 6), 1)
     assert torch.equal(run(slice(0, 15), 1)[5], alone[0])
     assert torch.equal(run(slice(0, 40), 2)[5], alone[0])
+
+
+@pytest.mark.parametrize("amx", SHRINKS)
+@pytest.mark.parametrize("rank", [64, 40, 33])  # two AMX K steps; not whole steps: FMAs
+def test_kernel_at_ranks_above_one_amx_step(rank: int, amx: bool) -> None:
+    assert kernels is not None
+    k, n, m = 96, 70, 21
+    gen = torch.Generator().manual_seed(rank)
+    factors = [
+        (torch.randn(rank, k, generator=gen) / k**0.5, torch.randn(n, rank, generator=gen)),
+        (torch.randn(7, k, generator=gen) / k**0.5, torch.randn(n, 7, generator=gen)),
+    ]
+    slots = [(0, 1, -1)[r % 3] for r in range(m)]
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    out = torch.randn(m, n, generator=gen).bfloat16()
+    before = out.clone()
+    a, b, parts = _packed(factors, k, n)
+    kernels.lora_(x, out, torch.tensor(slots, dtype=torch.int32), a, b, parts, amx=amx)
+    _assert_rounded_once(out, _reference(x, before, slots, _bf16(factors)))
