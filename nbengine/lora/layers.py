@@ -424,7 +424,7 @@ class LoRALayers:
             packed.parts.shape[0],
             nb.shape[1],
             self._native_threads,
-            1,  # the shrink on AMX tiles where the CPU has them
+            1,  # both products on AMX tiles where the CPU has them
         )
         if status:
             raise RuntimeError(f"nb_lora_bf16 refused its arguments ({status}).")

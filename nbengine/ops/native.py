@@ -109,7 +109,7 @@ class NativeKernels:
         self.lora_raw = lib.nb_lora_bf16
         self.lora_raw.restype = ctypes.c_int
         lib.nb_lora_amx_usable.restype = ctypes.c_int
-        # Whether nb_lora_bf16's shrink runs on AMX tiles when asked (``amx=1``): the CPU
+        # Whether nb_lora_bf16's products run on AMX tiles when asked (``amx=1``): the CPU
         # has them and Linux granted this process their state (asked on the first call).
         self.lora_amx = bool(lib.nb_lora_amx_usable())
         self._linear_q8 = lib.nb_linear_q8
@@ -425,10 +425,9 @@ class NativeKernels:
         ``x`` bfloat16 ``[M, K]``, ``out`` bfloat16 ``[M, N]``, ``slots`` int32 ``[M]``
         (-1: the row is left as it is), ``a`` and ``b`` the factors as
         ``pack_lora_factors`` lays them out, ``parts`` int64 ``[P, 4]``, all contiguous;
-        the sums are float32 and ``out`` is rounded to bfloat16 once; ``amx``: the shrink on
-        AMX tiles where ``lora_amx`` (else dpbf16; the sums differ in float32 order only).
-        Raises ValueError on
-        shapes, dtypes, slots or parts that do not fit (the kernel reads no memory outside
+        the sums are float32 and ``out`` is rounded to bfloat16 once; ``amx``: both products
+        on AMX tiles where ``lora_amx`` is True (else dpbf16 and float32 FMAs; the results
+        differ in float32 rounding order only). Raises ValueError on shapes, dtypes, slots or parts that do not fit (the kernel reads no memory outside
         its arguments); ``out`` is then unchanged.
         """
         m, k = x.shape
