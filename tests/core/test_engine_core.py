@@ -88,12 +88,25 @@ def test_add_then_abort_same_key_fifo_reports_once():
 
 def test_abort_while_running_is_confirmed():
     core = make_core()
+    # From its second step on the runner waits until the abort was sent: on a loaded
+    # machine the fake runner could otherwise reach max_model_len first (LENGTH).
+    sent = threading.Event()
+    execute, calls = core.runner.execute, [0]
+
+    def gated(batch):
+        calls[0] += 1
+        if calls[0] > 1 and not sent.wait(TIMEOUT):
+            raise AssertionError("the abort was never sent")
+        return execute(batch)
+
+    core.runner.execute = gated
     with Loop(core) as loop:
         loop.add(make_request("long", [1], max_tokens=None, ignore_eos=True))
         # Wait for the first token, then abort.
         while not loop.collected.tokens.get("long"):
             loop.collected.add(loop.out.get(timeout=TIMEOUT))
         loop.abort("long")
+        sent.set()
         c = loop.until_finished("long")
     assert c.finish["long"] == FinishReason.ABORT
     assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.num_blocks
