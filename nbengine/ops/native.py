@@ -427,8 +427,9 @@ class NativeKernels:
         ``pack_lora_factors`` lays them out, ``parts`` int64 ``[P, 4]``, all contiguous;
         the sums are float32 and ``out`` is rounded to bfloat16 once; ``amx``: both products
         on AMX tiles where ``lora_amx`` is True (else dpbf16 and float32 FMAs; the results
-        differ in float32 rounding order only). Raises ValueError on shapes, dtypes, slots or parts that do not fit (the kernel reads no memory outside
-        its arguments); ``out`` is then unchanged.
+        differ in float32 rounding order only). Raises ValueError on shapes, dtypes, slots
+        or parts that do not fit (the kernel reads no memory outside its arguments);
+        ``out`` is then unchanged.
         """
         m, k = x.shape
         s, n = a.shape[0], out.shape[-1]
