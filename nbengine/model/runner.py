@@ -55,7 +55,7 @@ from nbengine.ops.linear import (
     linear_mode,
     pack_linears,
 )
-from nbengine.ops.quant import DENSE_MIN_ROWS, dense_supported
+from nbengine.ops.quant import dense_min_rows, dense_supported
 from nbengine.ops.rejection import accepted_drafts
 from nbengine.ops.sampling import Sampler, topk_logprobs
 from nbengine.ops.staged_sampling import StagedSampling, logprob_pieces, unpack_logprobs
@@ -241,7 +241,7 @@ class ModelRunner:
         ):
             # Quantized products of many rows dequantize into oneDNN (ops/quant.py), so
             # larger decode steps take the module path there too.
-            plan_max_rows = DENSE_MIN_ROWS - 1
+            plan_max_rows = dense_min_rows() - 1
         # LoRA adapters (docs/lora.md): hooks on the linear layers as packed or quantized.
         self.lora: LoRALayers | None = (
             LoRALayers(loaded.model, self.device, loaded.dtype) if config.lora.enable_lora else None

@@ -503,7 +503,7 @@ void nb_rope_attention_bf16(uint16_t *qkv, int64_t qkv_stride, const int64_t *po
 /* Quantized linears (defined at the end of this file). */
 static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
                         const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
-                        int64_t Kp, int64_t G, int out_f32, int nthreads);
+                        int64_t Kp, int64_t G, int out_f32, int nthreads, int amx);
 static void nb_linear_q_share(int bits, const uint16_t *x, const void *w, const void *scales,
                               const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
                               int64_t Kp, int64_t G, int out_f32, int tid, int nt);
@@ -597,7 +597,7 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
         if (qb) {                                                                         \
             const int64_t kp_ = nb_q_padded(qb, G, K);                                    \
             if (nt > 1) nb_linear_q_share(qb, in, w, sc, b, out, B, N, K, kp_, G, 0, tid, nt); \
-            else nb_linear_q(qb, in, w, sc, b, out, B, N, K, kp_, G, 0, lin_threads);      \
+            else nb_linear_q(qb, in, w, sc, b, out, B, N, K, kp_, G, 0, lin_threads, 1);   \
         } else if (nt > 1) nb_linear_share(in, w, b, out, B, N, K, 0, tid, nt);            \
         else nb_linear_bf16(in, w, b, out, B, N, K, 0, lin_threads);                       \
     } while (0)
@@ -649,7 +649,7 @@ static void nb_decoder_layers(const nb_decoder *m, uint16_t *x, uint16_t *residu
                               nb_q_padded(qb, G, H), G, 1, tid, nt);
         else if (qb)
             nb_linear_q(qb, h, m->lm_head, m->lm_head_scales, 0, logits, B, m->vocab, H,
-                        nb_q_padded(qb, G, H), G, 1, lin_threads);
+                        nb_q_padded(qb, G, H), G, 1, lin_threads, 1);
         else if (nt > 1) nb_linear_share(h, m->lm_head, 0, logits, B, m->vocab, H, 1, tid, nt);
         else nb_linear_bf16(h, m->lm_head, 0, logits, B, m->vocab, H, 1, lin_threads);
     }
@@ -783,7 +783,7 @@ static inline __mmask32 nb_mask32(int64_t left) {
  * and Linux grants this process their state (arch_prctl ARCH_REQ_XCOMP_PERM for
  * XFEATURE_XTILEDATA; a process must ask before its first tile instruction). Asked once;
  * two threads asking at once both get the same answer. */
-static int nb_amx_usable(void) {
+int nb_amx_usable(void) {
     static _Atomic int state = 0; /* 0: not asked yet, 1: usable, -1: not */
     int s = atomic_load(&state);
     if (s == 0) {
@@ -796,7 +796,11 @@ static int nb_amx_usable(void) {
     return s > 0;
 }
 
-int nb_lora_amx_usable(void) { return nb_amx_usable(); }
+/* nb_amx_usable, and the CPU has AMX int8 tiles too (CPUID.7.0:EDX bit 25). */
+static int nb_amx_int8_usable(void) {
+    unsigned a, b, c, d;
+    return nb_amx_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1);
+}
 
 /* The LDTILECFG operand: palette 1, every tile used here 16 rows of 64 bytes. */
 typedef struct {
@@ -804,6 +808,14 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } nb_tile_config;
+
+/* LDTILECFG of the whole 64-byte operand. GCC 12's _tile_loadconfig tells the compiler
+ * that it reads only 8 bytes, so the stores that fill the rest of the configuration may
+ * be dropped as dead (seen: a config of zero-width tiles, and a fault, once inlined). */
+__attribute__((target("amx-tile"))) static inline void nb_tile_load_config(
+    const nb_tile_config *cfg) {
+    __asm__ volatile("ldtilecfg %0" ::"m"(*cfg) : "memory");
+}
 
 /* Palette 1 with tiles 0-7 all 16 rows of 64 bytes (callers narrow some after). */
 static void nb_tile_config_full(nb_tile_config *cfg) {
@@ -823,7 +835,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void nb_lora_shrink_amx(
     const uint16_t *xb, const uint16_t *a, int64_t kc, int64_t G, float *h, int64_t R16) {
     nb_tile_config cfg;
     nb_tile_config_full(&cfg);
-    _tile_loadconfig(&cfg);
+    nb_tile_load_config(&cfg);
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t ng = G - g0 < 4 ? G - g0 : 4;
         const uint16_t *ag = a + g0 * kc * 512; /* block (g0, 0); a group is kc blocks */
@@ -991,7 +1003,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void nb_lora_expand_amx(
     nb_tile_config_full(&cfg);
     for (int t = 3; t < 6; t++) cfg.colsb[t] = (uint16_t)(pc * 2);
     cfg.rows[6] = cfg.rows[7] = (uint8_t)(pc / 2);
-    _tile_loadconfig(&cfg);
+    nb_tile_load_config(&cfg);
     const uint16_t *h0 = hs + c, *h1 = hs + 16 * RP + c, *h2 = hs + 32 * RP + c;
     if (steps == 1) {
         _tile_loadd(3, h0, RP * 2);
@@ -1466,6 +1478,353 @@ void nb_dequantize_bf16(int bits, const void *w, const void *scales, uint16_t *o
     }
 }
 
+/* ---- Quantized products of many rows on AMX tiles ----
+ *
+ * From NB_Q_AMX_ROWS rows of x on, where AMX bf16 tiles are usable and the caller asks
+ * (`amx`), both formats are multiplied as the dense path of ops/quant.py multiplies them
+ * (x as it is, the weights dequantized to bf16, float32 sums), but without ever writing
+ * the bf16 weight to memory: each thread dequantizes 16 output features at a time
+ * (nb_q_dequant_row: the values of nb_dequantize_bf16) into a buffer that stays in its
+ * cache, and multiplies them by every row of x with TDPBF16PS (16 features by 16 rows by
+ * 32 inputs per instruction). The dequantized block is the tiles' A operand as it lies
+ * (16 rows of 32 inputs), so x goes in as B: transposed once per call into pairs, for
+ * each tile of 16 rows of x and each 32 inputs, 16 pairs of inputs by 16 rows (the VNNI
+ * layout). The sums are y^T tiles [16 features, 16 rows], transposed back as they are
+ * stored. The row kernels above cost in proportion to the rows (a 16-row product of a
+ * 1B model's linears is compute bound at several times the weights' read time); here
+ * the dequantization is paid once per call and each further 16 rows cost one tile
+ * product per 32 inputs. A row's result depends on that row alone (AMX sums each row of
+ * a tile on its own, in a fixed order), whatever M is and however the features are
+ * split between threads. */
+#define NB_Q_AMX_ROWS 16
+#define NB_Q_AMX_GROUP 4 /* row tiles whose sums stay in tile registers at once */
+
+/* 16 vectors of 16 32-bit lanes transposed in place: r[i][j] <-> r[j][i]. */
+static inline void nb_transpose16_epi32(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* b[4g + j], lane L: rows 4g .. 4g + 3, element 4L + j */
+    for (int g = 0; g < 16; g += 4) {
+        b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
+        b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
+        b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
+        b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* a 4 x 4 transpose of 128-bit lanes */
+        const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
+        const __m512i c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+
+/* x [M, K] as B operands: xt [ceil(M / 16), Kp / 2, 16] pairs (uint32), zero past M and
+ * K; the block of row tile t and inputs 32 s .. 32 s + 31 is 1 KiB at
+ * xt + (t * Kp / 2 + 16 s) * 16. Blocks [b0, b1) of the ceil(M / 16) * Kp / 32. */
+static void nb_q_amx_inputs(const uint16_t *x, int64_t M, int64_t K, int64_t Kp, uint32_t *xt,
+                            int64_t b0, int64_t b1) {
+    const int64_t ks = Kp / 32;
+    for (int64_t blk = b0; blk < b1; blk++) {
+        const int64_t t = blk / ks, s = blk % ks, k = 32 * s;
+        const __mmask32 mk = k < K ? nb_mask32(K - k) : 0;
+        __m512i r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = 16 * t + i < M ? _mm512_maskz_loadu_epi16(mk, x + (16 * t + i) * K + k)
+                                  : _mm512_setzero_si512();
+        nb_transpose16_epi32(r);
+        uint32_t *o = xt + (t * Kp / 2 + 16 * s) * 16;
+        for (int p = 0; p < 16; p++) _mm512_store_si512(o + 16 * p, r[p]);
+    }
+}
+
+/* y[rows 16 t .., features n0 ..] from the y^T tile `c` [16 features, 16 rows]. */
+static void nb_q_amx_store(const float *c, void *y, const uint16_t *bias, int64_t M, int64_t N,
+                           int64_t t, int64_t n0, int out_f32) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(c + 16 * i);
+    nb_transpose16_epi32(r);
+    for (int i = 0; i < 16 && 16 * t + i < M; i++)
+        nb_store16(y, (16 * t + i) * N + n0, N - n0, _mm512_castsi512_ps(r[i]),
+                   bias ? bias + n0 : 0, out_f32);
+}
+
+/* Row tiles g0 .. g0 + ng - 1 (ng <= NB_Q_AMX_GROUP) times the dequantized block `a`
+ * [16, Kp] (row stride `lda` values): sums in tiles 0-3, the block's 32 inputs in tile
+ * 4, the rows' pairs in tiles 5-7 (in turn). */
+__attribute__((target("amx-tile,amx-bf16"))) static void nb_q_amx_group(
+    const uint16_t *a, int64_t lda, const uint32_t *xt, int64_t Kp, int64_t g0, int64_t ng,
+    float *c) {
+    const int64_t ks = Kp / 32, tile = Kp / 2 * 16; /* uint32 of one row tile's pairs */
+    const uint32_t *x0 = xt + g0 * tile;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < ks; s++) {
+        _tile_loadd(4, a + 32 * s, lda * 2);
+        _tile_loadd(5, x0 + 256 * s, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (ng > 1) {
+            _tile_loadd(6, x0 + tile + 256 * s, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (ng > 2) {
+            _tile_loadd(7, x0 + 2 * tile + 256 * s, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (ng > 3) {
+            _tile_loadd(5, x0 + 3 * tile + 256 * s, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c, 64);
+    if (ng > 1) _tile_stored(1, c + 256, 64);
+    if (ng > 2) _tile_stored(2, c + 512, 64);
+    if (ng > 3) _tile_stored(3, c + 768, 64);
+}
+
+__attribute__((target("amx-tile"))) static void nb_q_amx_tiles(int on) {
+    if (on) {
+        nb_tile_config cfg;
+        nb_tile_config_full(&cfg);
+        nb_tile_load_config(&cfg);
+    } else {
+        _tile_release();
+    }
+}
+
+/* Scratch that lives from call to call (fresh memory is slow to first touch on this
+ * project's VMs; ops/quant.py, _DenseScratch): one buffer per thread, grown as needed. */
+static void *nb_scratch(void **buf, size_t *cap, size_t need) {
+    if (*cap < need) {
+        free(*buf);
+        *cap = (need + 4095) / 4096 * 4096;
+        *buf = aligned_alloc(64, *cap);
+    }
+    return *buf;
+}
+
+/* Row n of int4 weights dequantized to bf16 into `row` (Kp values), as nb_q_dequant_row
+ * computes them, by table: a group's 16 possible values (u s + z for u = 0 .. 15, the
+ * same float32 arithmetic) are made once, in one vector, and each nibble picks its value
+ * with a word permute: per 64 weights a widening load, two masks and two permutes, where
+ * converting each weight on its own costs twice as many instructions. */
+static void nb_q4_dequant_row_lut(const uint8_t *w, const uint16_t *sz, int64_t Kp, int64_t G,
+                                  int64_t n, uint16_t *row) {
+    const uint8_t *wr = w + n * (Kp / 2);
+    const uint16_t *p = sz + n * (Kp / G) * 2;
+    const int64_t half = G / 2;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i low4 = _mm512_set1_epi16(15);
+    for (int64_t g = 0; g < Kp / G; g++) {
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(nb_f16_to_f32(p[2 * g]))),
+                                       _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1])));
+        const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+        for (int64_t c = 0; c < half; c += 32) {
+            const __mmask32 mk = nb_mask32(half - c);
+            const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, wr + g * half + c));
+            _mm512_mask_storeu_epi16(row + g * G + c, mk,
+                                     _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut));
+            _mm512_mask_storeu_epi16(row + g * G + half + c, mk,
+                                     _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+        }
+    }
+}
+
+/* ---- int8 weights on AMX int8 tiles ----
+ *
+ * int8 weights need no dequantization at all: the tiles' A operand is the weight block
+ * as it lies in memory (16 output features by 64 int8 inputs, TDPBSSD multiplying int8
+ * pairs of four into int32 sums). x is scaled to int16 per row as for the row kernels
+ * (nb_q_inputs_int16) and split into a signed high and an unsigned low byte, xq = 256 hi
+ * + lo, so each 64 inputs of a row tile cost two tile products (TDPBSSD for hi, TDPBSUD
+ * for lo) and the integer sums are exact, as the row kernels' are: y = s[n] sx[m] (256
+ * sum(q hi) + sum(q lo)), the two int32 sums (each below 2^31 up to K = 65536) converted
+ * to float32. Only the conversion differs from the row kernels (one rounding of each
+ * sum, where those flush to float32 every 2048 inputs), so the values are theirs to
+ * float32 rounding, from 16 rows on as below. */
+
+/* Bytes of x's B operands: [ceil(M / 16), K64 / 64, 16 quads, 16 rows, 4] for the high
+ * and the low bytes (K64: Kp rounded up to 64). Blocks [b0, b1). */
+static void nb_q8_amx_inputs(const nb_qx *in, int64_t M, int64_t Kp, int64_t K64, uint8_t *hi,
+                             uint8_t *lo, int64_t b0, int64_t b1) {
+    const int64_t ks = K64 / 64;
+    for (int64_t blk = b0; blk < b1; blk++) {
+        const int64_t t = blk / ks, k = 64 * (blk % ks);
+        const __mmask32 m0 = k < Kp ? nb_mask32(Kp - k) : 0;
+        const __mmask32 m1 = k + 32 < Kp ? nb_mask32(Kp - k - 32) : 0;
+        __m512i h[16], l[16];
+        for (int i = 0; i < 16; i++) {
+            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+            if (16 * t + i < M) {
+                const int16_t *r = in->xq + (16 * t + i) * Kp + k;
+                a = _mm512_maskz_loadu_epi16(m0, r);
+                b = _mm512_maskz_loadu_epi16(m1, r + 32);
+            }
+            h[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8))),
+                                      _mm512_cvtepi16_epi8(_mm512_srai_epi16(b, 8)), 1);
+            l[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)),
+                                      _mm512_cvtepi16_epi8(b), 1);
+        }
+        nb_transpose16_epi32(h);
+        nb_transpose16_epi32(l);
+        for (int p = 0; p < 16; p++) {
+            _mm512_store_si512(hi + blk * 1024 + 64 * p, h[p]);
+            _mm512_store_si512(lo + blk * 1024 + 64 * p, l[p]);
+        }
+    }
+}
+
+/* Row tiles g0, g0 + 1 (ng of them) times the weight block `a` [16, K64] (row stride
+ * `lda` bytes): tiles 0-3 the (hi, lo) sums of each row tile, tile 4 the block's 64
+ * inputs, tiles 5-7 the rows' bytes (in turn). */
+__attribute__((target("amx-tile,amx-int8"))) static void nb_q8_amx_group(
+    const int8_t *a, int64_t lda, const uint8_t *hi, const uint8_t *lo, int64_t K64, int64_t g0,
+    int64_t ng, int32_t *c) {
+    const int64_t ks = K64 / 64, tile = ks * 1024;
+    const uint8_t *h0 = hi + g0 * tile, *l0 = lo + g0 * tile;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < ks; s++) {
+        _tile_loadd(4, a + 64 * s, lda);
+        _tile_loadd(5, h0 + 1024 * s, 64);
+        _tile_dpbssd(0, 4, 5);
+        _tile_loadd(6, l0 + 1024 * s, 64);
+        _tile_dpbsud(1, 4, 6);
+        if (ng > 1) {
+            _tile_loadd(7, h0 + tile + 1024 * s, 64);
+            _tile_dpbssd(2, 4, 7);
+            _tile_loadd(5, l0 + tile + 1024 * s, 64);
+            _tile_dpbsud(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    if (ng > 1) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+}
+
+/* y[rows 16 t .., features n0 ..] from the tile's (hi, lo) sums [16 features, 16 rows]. */
+static void nb_q8_amx_store(const int32_t *c, const float *scales, const float *sx, void *y,
+                            const uint16_t *bias, int64_t M, int64_t N, int64_t t, int64_t n0,
+                            int out_f32) {
+    const __m512 sxv = _mm512_maskz_loadu_ps(nb_mask(M - 16 * t), sx + 16 * t);
+    __m512i r[16];
+    for (int j = 0; j < 16; j++) {
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j)),
+                                         _mm512_set1_ps(256.0f),
+                                         _mm512_cvtepi32_ps(_mm512_load_si512(c + 256 + 16 * j)));
+        const float sn = n0 + j < N ? scales[n0 + j] : 0.0f;
+        r[j] = _mm512_castps_si512(_mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(sn), sxv)));
+    }
+    nb_transpose16_epi32(r);
+    for (int i = 0; i < 16 && 16 * t + i < M; i++)
+        nb_store16(y, (16 * t + i) * N + n0, N - n0, _mm512_castsi512_ps(r[i]),
+                   bias ? bias + n0 : 0, out_f32);
+}
+
+static void nb_linear_q8_amx(const uint16_t *x, const int8_t *w, const float *scales,
+                             const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                             int64_t Kp, int out_f32, int nthreads) {
+    static __thread void *x_buf;
+    static __thread size_t x_cap;
+    const int64_t mt = (M + 15) / 16, nblocks = (N + 15) / 16, K64 = (Kp + 63) / 64 * 64;
+    const int64_t xbytes = mt * K64 * 16;
+    uint8_t *hi = (uint8_t *)nb_scratch(&x_buf, &x_cap, (size_t)(2 * xbytes)), *lo = hi + xbytes;
+    nb_qx in = nb_q_inputs(8, x, M, K, Kp, 0);
+    /* Blocks whose rows the tiles cannot read in place (past N, or a last 32 inputs past
+     * the rows' end when Kp is not a multiple of 64) are copied, zero-padded. */
+    const int staged_all = K64 != Kp;
+#pragma omp parallel num_threads(nthreads)
+    {
+        static __thread void *a_buf, *c_buf;
+        static __thread size_t a_cap, c_cap;
+        int8_t *stage = (int8_t *)nb_scratch(&a_buf, &a_cap, (size_t)(16 * K64));
+        int32_t *c = (int32_t *)nb_scratch(&c_buf, &c_cap, sizeof(int32_t) * 4 * 256);
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t xb = mt * (K64 / 64);
+        nb_q8_amx_inputs(&in, M, Kp, K64, hi, lo, xb * tid / nt, xb * (tid + 1) / nt);
+#pragma omp barrier
+        nb_q_amx_tiles(1);
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n0 = 16 * nb;
+            const int8_t *a = w + n0 * Kp;
+            int64_t lda = Kp;
+            if (staged_all || n0 + 16 > N) {
+                for (int64_t j = 0; j < 16; j++) {
+                    int8_t *r = stage + j * K64;
+                    memset(r, 0, (size_t)K64);
+                    if (n0 + j < N) memcpy(r, w + (n0 + j) * Kp, (size_t)Kp);
+                }
+                a = stage;
+                lda = K64;
+            }
+            for (int64_t g0 = 0; g0 < mt; g0 += 2) {
+                const int64_t ng = mt - g0 < 2 ? mt - g0 : 2;
+                nb_q8_amx_group(a, lda, hi, lo, K64, g0, ng, c);
+                for (int64_t t = 0; t < ng; t++)
+                    nb_q8_amx_store(c + 512 * t, scales, in.sx, y, bias, M, N, g0 + t, n0,
+                                    out_f32);
+            }
+        }
+        nb_q_amx_tiles(0);
+    }
+    nb_q_inputs_free(&in);
+}
+
+static void nb_linear_q_amx(int bits, const uint16_t *x, const void *w, const void *scales,
+                            const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                            int64_t Kp, int64_t G, int out_f32, int nthreads) {
+    static __thread void *xt_buf;
+    static __thread size_t xt_cap;
+    const int64_t mt = (M + 15) / 16, nblocks = (N + 15) / 16;
+    /* The dequantized block's rows are Kp + 32 values apart: Kp * 2 bytes is often a
+     * multiple of 4 KiB, which would put the 16 rows in one set of the L1 cache. */
+    const int64_t lda = Kp + 32;
+    uint32_t *xt = (uint32_t *)nb_scratch(&xt_buf, &xt_cap, (size_t)(mt * Kp / 2 * 16 * 4));
+#pragma omp parallel num_threads(nthreads)
+    {
+        static __thread void *a_buf, *c_buf;
+        static __thread size_t a_cap, c_cap;
+        uint16_t *a = (uint16_t *)nb_scratch(&a_buf, &a_cap, (size_t)(16 * lda * 2));
+        float *c = (float *)nb_scratch(&c_buf, &c_cap, sizeof(float) * NB_Q_AMX_GROUP * 256);
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t xb = mt * (Kp / 32);
+        nb_q_amx_inputs(x, M, K, Kp, xt, xb * tid / nt, xb * (tid + 1) / nt);
+#pragma omp barrier
+        nb_q_amx_tiles(1);
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n0 = 16 * nb;
+            for (int64_t j = 0; j < 16; j++) {
+                if (n0 + j < N)
+                    nb_q4_dequant_row_lut((const uint8_t *)w, (const uint16_t *)scales, Kp, G,
+                                          n0 + j, a + j * lda);
+                else memset(a + j * lda, 0, (size_t)(Kp * 2));
+            }
+            for (int64_t g0 = 0; g0 < mt; g0 += NB_Q_AMX_GROUP) {
+                const int64_t ng = mt - g0 < NB_Q_AMX_GROUP ? mt - g0 : NB_Q_AMX_GROUP;
+                nb_q_amx_group(a, lda, xt, Kp, g0, ng, c);
+                for (int64_t t = 0; t < ng; t++)
+                    nb_q_amx_store(c + 256 * t, y, bias, M, N, g0 + t, n0, out_f32);
+            }
+        }
+        nb_q_amx_tiles(0);
+    }
+}
+
 /* Output rows 4 blk .. 4 blk + 3 (fewer at the end), every row of x. */
 static inline void nb_q_block(int bits, const nb_qx *in, const void *w, const void *scales,
                               const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
@@ -1480,7 +1839,16 @@ static inline void nb_q_block(int bits, const nb_qx *in, const void *w, const vo
 
 static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
                         const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
-                        int64_t Kp, int64_t G, int out_f32, int nthreads) {
+                        int64_t Kp, int64_t G, int out_f32, int nthreads, int amx) {
+    if (amx && bits == 8 && M >= NB_Q_AMX_ROWS && nb_amx_int8_usable()) {
+        nb_linear_q8_amx(x, (const int8_t *)w, (const float *)scales, bias, y, M, N, K, Kp,
+                         out_f32, nthreads);
+        return;
+    }
+    if (amx && M >= NB_Q_AMX_ROWS && nb_amx_usable()) {
+        nb_linear_q_amx(bits, x, w, scales, bias, y, M, N, K, Kp, G, out_f32, nthreads);
+        return;
+    }
     if (bits == 4 && M >= NB_Q_TILE_ROWS && K % 2 == 0) {
         const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE, mtiles = (M + 3) / 4;
 #pragma omp parallel num_threads(nthreads)
@@ -1520,12 +1888,13 @@ static void nb_linear_q_share(int bits, const uint16_t *x, const void *w, const 
 }
 
 void nb_linear_q8(const uint16_t *x, const int8_t *w, const float *scales, const uint16_t *bias,
-                  void *y, int64_t M, int64_t N, int64_t K, int64_t Kp, int out_f32, int nthreads) {
-    nb_linear_q(8, x, w, scales, bias, y, M, N, K, Kp, 0, out_f32, nthreads);
+                  void *y, int64_t M, int64_t N, int64_t K, int64_t Kp, int out_f32, int nthreads,
+                  int amx) {
+    nb_linear_q(8, x, w, scales, bias, y, M, N, K, Kp, 0, out_f32, nthreads, amx);
 }
 
 void nb_linear_q4(const uint16_t *x, const uint8_t *w, const uint16_t *scales_zeros,
                   const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K, int64_t Kp,
-                  int64_t G, int out_f32, int nthreads) {
-    nb_linear_q(4, x, w, scales_zeros, bias, y, M, N, K, Kp, G, out_f32, nthreads);
+                  int64_t G, int out_f32, int nthreads, int amx) {
+    nb_linear_q(4, x, w, scales_zeros, bias, y, M, N, K, Kp, G, out_f32, nthreads, amx);
 }

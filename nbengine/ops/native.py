@@ -75,15 +75,18 @@ _SIGNATURES: dict[str, list[type]] = {
     "nb_decoder_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _P, _P],
     "nb_argmax_f32": [_P, _I64, _I64, _P, _INT],
     "nb_lora_bf16": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
-    "nb_lora_amx_usable": [],
-    "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT],
+    "nb_amx_usable": [],
+    "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT, _INT],
     "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
-    "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT, _INT],
 }
 # Below this many rows (tokens) an elementwise kernel runs on the calling thread alone:
 # waking an OpenMP worker costs more than the work (tens of microseconds when idle
 # workers sleep, as OMP_WAIT_POLICY=PASSIVE makes them).
 SMALL_ROWS = 16
+# From this many rows on, quantized products run on AMX tiles where ``NativeKernels.amx``
+# (NB_Q_AMX_ROWS in kernels.c).
+AMX_ROWS = 16
 
 
 class NativeKernels:
@@ -108,10 +111,11 @@ class NativeKernels:
         # it returns -1, writing nothing, for a slot or part out of range.
         self.lora_raw = lib.nb_lora_bf16
         self.lora_raw.restype = ctypes.c_int
-        lib.nb_lora_amx_usable.restype = ctypes.c_int
-        # Whether nb_lora_bf16's products run on AMX tiles when asked (``amx=1``): the CPU
-        # has them and Linux granted this process their state (asked on the first call).
-        self.lora_amx = bool(lib.nb_lora_amx_usable())
+        lib.nb_amx_usable.restype = ctypes.c_int
+        # Whether the kernels that take ``amx`` run on AMX tiles when asked (the LoRA deltas,
+        # quantized products of ``AMX_ROWS`` rows or more): the CPU has them and Linux
+        # granted this process their state (asked on the first call).
+        self.amx = bool(lib.nb_amx_usable())
         self._linear_q8 = lib.nb_linear_q8
         self._linear_q4 = lib.nb_linear_q4
         self._dequantize = lib.nb_dequantize_bf16
@@ -174,13 +178,16 @@ class NativeKernels:
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.bfloat16,
         num_threads: int | None = None,
+        amx: bool = True,
     ) -> torch.Tensor:
         """``x [M, K] @ dequant(W).T (+ bias)`` for weights quantized by ops/quant.py.
 
         int8 (``group_size`` None): ``qweight`` int8 ``[N, Kp]``, ``scales`` float32 ``[N]``.
         int4: ``qweight`` uint8 ``[N, Kp / 2]``, ``scales`` float16 ``[N, Kp / G, 2]``
         (scale, zero). ``x`` contiguous bfloat16 with ``K = in_features``; the result is
-        ``[M, N]`` in ``out_dtype`` (bfloat16 or float32).
+        ``[M, N]`` in ``out_dtype`` (bfloat16 or float32). ``amx``: from ``AMX_ROWS`` rows
+        on, where ``self.amx`` is True, the product runs on AMX tiles by the weights
+        dequantized to bfloat16 (ops/quant.py, "Products"); see ``bf16_weight_rows``.
         """
         m = x.shape[0]
         n = qweight.shape[0]
@@ -203,6 +210,7 @@ class NativeKernels:
                 kp,
                 f32,
                 num_threads,
+                int(amx),
             )
         else:
             self._linear_q4(
@@ -218,6 +226,7 @@ class NativeKernels:
                 group_size,
                 f32,
                 num_threads,
+                int(amx),
             )
         return y
 
@@ -426,7 +435,7 @@ class NativeKernels:
         (-1: the row is left as it is), ``a`` and ``b`` the factors as
         ``pack_lora_factors`` lays them out, ``parts`` int64 ``[P, 4]``, all contiguous;
         the sums are float32 and ``out`` is rounded to bfloat16 once; ``amx``: both products
-        on AMX tiles where ``lora_amx`` is True (else dpbf16 and float32 FMAs; the results
+        on AMX tiles where ``amx`` is True (else dpbf16 and float32 FMAs; the results
         differ in float32 rounding order only). Raises ValueError on shapes, dtypes, slots
         or parts that do not fit (the kernel reads no memory outside its arguments);
         ``out`` is then unchanged.

@@ -74,13 +74,25 @@ _DENSE_TILE_BYTES = 32 << 20
 
 # Products of this many rows or more take the dense path. Dequantizing costs the same
 # whatever the rows (a write of the bfloat16 weight, then oneDNN's own re-layout of it),
-# while the row kernels cost in proportion to the rows: on the Intel host (AMX, 2
-# threads, the Llama-3.2-1B shape's gate_up 16384 x 2048, down 2048 x 8192 and qkv
-# 3072 x 2048, 2026-12-02, load 6-9) the row kernels were faster up to 32 rows in every
-# shape and both modes and at 64 in all but int8 down (int8 gate_up 43 ms against 56 ms
-# dense, qkv 14 against 25), and slower from 128 on in all but int8 qkv (up to 2.3x).
-# Below it, decode steps stay on the decode plan too (model/runner.py).
-DENSE_MIN_ROWS = 96
+# while the kernels cost in proportion to the rows. Below it the AMX tile kernels
+# (native.AMX_ROWS rows on) win: 16 layers of the Llama-3.2-1B shape plus its head, two
+# threads, 2026-12-03, load ~1, AMX kernel against dense: int8 147 against 330 ms at 96
+# rows, 473 against 507 at 256, 1130 against 828 at 512 (int4: 175/320, 477/476,
+# 1017/836). Where the AMX kernels cannot run (the OS refused the tile state) the VNNI
+# row kernels do, and those lose to the dense path from about 96 rows (2026-12-02: 1.3-2x
+# faster than it at 16-64 rows, up to 2.3x slower from 128 on). Below it, decode steps
+# stay on the decode plan too (model/runner.py).
+DENSE_MIN_ROWS = 256
+_DENSE_MIN_ROWS_WITHOUT_AMX = 96
+
+
+def dense_min_rows() -> int:
+    """The rows from which quantized products take the dense path, where it exists
+    (``dense_supported``): ``DENSE_MIN_ROWS``, or fewer where the AMX kernels cannot run."""
+    kernels = native.kernels()
+    if kernels is not None and kernels.amx:
+        return DENSE_MIN_ROWS
+    return min(DENSE_MIN_ROWS, _DENSE_MIN_ROWS_WITHOUT_AMX)
 
 
 class _DenseScratch(threading.local):
@@ -257,7 +269,8 @@ def linear_quantized_reference(
     group_size: int | None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    dense_rows: int | None = None,
+    bf16_rows: int | None = None,
+    amx: bool = False,
 ) -> torch.Tensor:
     """``x [..., K] @ dequant(W).T (+ bias)`` in float32, rounded to ``out_dtype``.
 
@@ -265,7 +278,8 @@ def linear_quantized_reference(
     bfloat16 ``x`` is multiplied as the kernels do (module docstring), with exact sums:
     scaled to int16 per row (int8), to int8 per group (int4 below ``TILE_ROWS`` rows), or
     by the weights rounded to bfloat16 (int4 from ``TILE_ROWS`` rows on, even K; any
-    mode from ``dense_rows`` rows on, the dense path's threshold where it runs).
+    mode from ``bf16_rows`` rows on, the dense path's threshold where it runs; int4 from
+    ``native.AMX_ROWS`` rows on with ``amx``, as the kernels multiply on an AMX CPU).
     """
     lead = x.shape[:-1]
     xf = x.reshape(-1, in_features).float()
@@ -275,7 +289,8 @@ def linear_quantized_reference(
     rows = xf.shape[0]
     tiled = bf16 and (
         (group_size is not None and rows >= TILE_ROWS and in_features % 2 == 0)
-        or (dense_rows is not None and rows >= dense_rows)
+        or (bf16_rows is not None and rows >= bf16_rows)
+        or (amx and group_size is not None and rows >= native.AMX_ROWS)
     )
     x_int16 = bf16 and group_size is None and not tiled
     x_int8 = bf16 and group_size is not None and not tiled
@@ -355,7 +370,7 @@ class QuantLinear(nn.Module):
         self._q, self._s, self._b = self.qweight, self.scales, self.bias
         # Products of this many rows or more take the dense path (module docstring).
         self.dense_rows = (
-            DENSE_MIN_ROWS if self._kernels is not None and dense_supported() else None
+            dense_min_rows() if self._kernels is not None and dense_supported() else None
         )
 
     @property

@@ -23,7 +23,7 @@ SHRINKS = [
         True,
         id="amx",
         marks=pytest.mark.skipif(
-            kernels is None or not kernels.lora_amx, reason="no AMX tiles on this CPU"
+            kernels is None or not kernels.amx, reason="no AMX tiles on this CPU"
         ),
     ),
     pytest.param(False, id="dpbf16"),

@@ -359,7 +359,6 @@ def test_quantized_large_steps_dequantize_into_onednn_and_small_ones_take_the_pl
     monkeypatch.setattr(runner, "dense_supported", lambda: True)
     # 20 rows count as many here (the real threshold is above this test's batch).
     monkeypatch.setattr(quant, "DENSE_MIN_ROWS", 12)
-    monkeypatch.setattr(runner, "DENSE_MIN_ROWS", 12)
     dequantized: list[int] = []
     real = native.NativeKernels.dequantize
 

@@ -137,12 +137,17 @@ def test_float32_model_uses_reference_and_stays_close_to_full_precision() -> Non
 
 
 @pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 17, 127, 128, 130])
-# K = 4100: past the int8 kernel's int32 flush every 2048 inputs, with a tail.
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 17, 40, 127, 128, 130])
+# K = 4100: past the int8 kernel's int32 flush every 2048 inputs, with a tail. K = 77 and
+# 4100 leave int8 rows of Kp = 32 mod 64 (half an AMX int8 step), N = 37, 130, 5 and 9
+# a last AMX block of fewer than 16 features.
 @pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (130, 96), (5, 77), (200, 576), (9, 4100)])
+# amx: the AMX tile kernels from native.AMX_ROWS rows on, where the CPU has them (else,
+# and with amx False, the row kernels and the int4 bf16 tiles).
+@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.required
 @needs_native
-def test_native_matches_reference(mode: str, m: int, n: int, k: int) -> None:
+def test_native_matches_reference(mode: str, m: int, n: int, k: int, amx: bool) -> None:
     assert kernels is not None
     w, x, b = (
         _randn(n, k, seed=n + k).to(BF16),
@@ -152,19 +157,55 @@ def test_native_matches_reference(mode: str, m: int, n: int, k: int) -> None:
     if m == 3:
         x[1] = 0.0  # a zero row (scale 0 in the int16 path)
     q, s, g = _quantize(w, mode)
-    want = linear_quantized_reference(x, q, s, k, g, b, torch.float32)
-    got = kernels.linear_quantized(x, q, s, k, g, b, torch.float32)
+    want = linear_quantized_reference(x, q, s, k, g, b, torch.float32, amx=amx and kernels.amx)
+    got = kernels.linear_quantized(x, q, s, k, g, b, torch.float32, amx=amx)
     assert got.shape == (m, n) and got.dtype == torch.float32
     scale = float(want.abs().max())
     # float32 sums in another order (the reference rounds the weights to bfloat16 where
-    # the kernel's many-row path does).
+    # the kernel's many-row and AMX paths do).
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
-    got16 = kernels.linear_quantized(x, q, s, k, g, b, BF16)
+    got16 = kernels.linear_quantized(x, q, s, k, g, b, BF16, amx=amx)
     assert got16.dtype == BF16
     torch.testing.assert_close(got16.float(), want, rtol=2e-2, atol=2e-2 * scale)
     # Splitting the rows over threads changes no value.
-    two = kernels.linear_quantized(x, q, s, k, g, b, torch.float32, num_threads=2)
+    two = kernels.linear_quantized(x, q, s, k, g, b, torch.float32, num_threads=2, amx=amx)
     assert torch.equal(two, got)
+
+
+@pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
+@pytest.mark.required
+@needs_native
+def test_amx_rows_do_not_depend_on_the_batch(mode: str) -> None:
+    """On the AMX path a row's product is the same whatever rows share its call: alone in
+    a 16-row call, among 70, in another row tile, on one thread or two."""
+    assert kernels is not None
+    if not kernels.amx:
+        pytest.skip("no AMX tiles on this CPU")
+    w, x = _randn(50, 200, seed=11).to(BF16), _randn(70, 200, seed=12).to(BF16)
+    q, s, g = _quantize(w, mode)
+    full = kernels.linear_quantized(x, q, s, 200, g, None, torch.float32, num_threads=2)
+    for lo, hi in [(0, 16), (30, 46), (54, 70), (10, 50)]:
+        part = kernels.linear_quantized(x[lo:hi].contiguous(), q, s, 200, g, None, torch.float32)
+        assert torch.equal(part, full[lo:hi]), (lo, hi)
+
+
+@pytest.mark.required
+@needs_native
+def test_int8_amx_keeps_the_row_kernels_int16_sums() -> None:
+    """int8 weights on AMX tiles multiply the same int16-scaled inputs as the row
+    kernels, with exact integer sums: the two agree to float32 rounding, far closer than
+    the bfloat16-rounded weights of the dense path would (a loud input column makes the
+    difference)."""
+    assert kernels is not None
+    w, x = _randn(64, 4096, seed=13).to(BF16), _randn(32, 4096, seed=14).to(BF16)
+    x[:, 7] = 300.0
+    q, s = quantize_int8(w)
+    amx = kernels.linear_quantized(x, q, s, 4096, None, None, torch.float32, amx=True)
+    rows = kernels.linear_quantized(x, q, s, 4096, None, None, torch.float32, amx=False)
+    dense = linear_quantized_reference(x, q, s, 4096, None, None, torch.float32, bf16_rows=1)
+    scale = float(rows.abs().max())
+    torch.testing.assert_close(amx, rows, rtol=0, atol=1e-6 * scale)
+    assert float((dense - rows).abs().max()) > 1e-4 * scale
 
 
 @pytest.mark.parametrize("group", [96, 128])  # groups the modes do not use, as the kernel allows
@@ -219,7 +260,7 @@ def test_dense_path_for_many_rows(
     x = _randn(30, 100, seed=6).to(BF16)
     args = (ql.qweight, ql.scales, 100, ql.group_size, ql.bias)
     got = ql(x, out_dtype=torch.float32)
-    want = linear_quantized_reference(x, *args, torch.float32, dense_rows=12)
+    want = linear_quantized_reference(x, *args, torch.float32, bf16_rows=12)
     scale = float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * scale)  # bfloat16 output
     assert slices == (
