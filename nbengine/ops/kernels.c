@@ -1124,8 +1124,9 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
     {
         uint16_t *xb = (uint16_t *)calloc((size_t)(NB_LORA_ROWS * ((K + 31) / 32) * 32), 2);
         float *h = (float *)malloc(sizeof(float) * (size_t)(NB_LORA_ROWS * R16));
-        uint16_t *hs = (uint16_t *)calloc((size_t)(3 * NB_LORA_ROWS * (R16 + 2)), 2);
-        float *cs = (float *)malloc(sizeof(float) * 2 * NB_LORA_ROWS * 16);
+        /* the AMX expand's operands: h as three bf16 terms, and a tile's sums */
+        uint16_t *hs = amx ? (uint16_t *)calloc((size_t)(3 * NB_LORA_ROWS * (R16 + 2)), 2) : 0;
+        float *cs = amx ? (float *)malloc(sizeof(float) * 2 * NB_LORA_ROWS * 16) : 0;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) {
             const int64_t first = tiles[t];
@@ -1165,9 +1166,9 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * products summed into 16 int32 lanes by one instruction), exact, then scaled in
  * float32: y = sx * scale[n] * sum_k q xq (int32 lanes flushed to float32 every 2048
  * inputs, before they could overflow). Per 32 weights that is one widening load and one
- * vpdpwssd, few enough that one core streams weights at memory speed. (Measured on one
- * thread, loaded machine: int8 this way is as fast as the bf16 kernel on its own
- * weights up to 512 rows, so it has no other path.)
+ * vpdpwssd, few enough that one core streams weights at memory speed for a row or two;
+ * the cost grows with the rows, so from NB_Q_AMX_ROWS rows on, where AMX tiles are
+ * usable, the same integer sums run on AMX int8 tiles (below, nb_linear_q8_amx).
  *
  * Rows of x, int4 weights below NB_Q_TILE_ROWS rows: each group of G inputs is scaled to
  * int8 on its own (x8 = round(x * 127 / max|x| over the group), sx_g = max / 127), and
@@ -1181,7 +1182,10 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * Either way each weight row is read once for all M rows, four output rows together,
  * and each row's result depends on that row alone, whatever M is.
  *
- * int4, many rows (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
+ * int4 from NB_Q_AMX_ROWS rows on, where AMX tiles are usable: the weights dequantized
+ * to bf16 for AMX bf16 tiles (below, nb_linear_q4_amx).
+ *
+ * int4, many rows without AMX (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
  * features at a time to bfloat16 in the VNNI layout of nb_linear_bf16, into a buffer of
  * 64 x K values, and runs the bf16 tile kernel on it for every row: the full bf16 weight
  * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's)
@@ -1480,22 +1484,28 @@ void nb_dequantize_bf16(int bits, const void *w, const void *scales, uint16_t *o
 
 /* ---- Quantized products of many rows on AMX tiles ----
  *
- * From NB_Q_AMX_ROWS rows of x on, where AMX bf16 tiles are usable and the caller asks
- * (`amx`), both formats are multiplied as the dense path of ops/quant.py multiplies them
- * (x as it is, the weights dequantized to bf16, float32 sums), but without ever writing
- * the bf16 weight to memory: each thread dequantizes 16 output features at a time
- * (nb_q_dequant_row: the values of nb_dequantize_bf16) into a buffer that stays in its
- * cache, and multiplies them by every row of x with TDPBF16PS (16 features by 16 rows by
- * 32 inputs per instruction). The dequantized block is the tiles' A operand as it lies
- * (16 rows of 32 inputs), so x goes in as B: transposed once per call into pairs, for
- * each tile of 16 rows of x and each 32 inputs, 16 pairs of inputs by 16 rows (the VNNI
- * layout). The sums are y^T tiles [16 features, 16 rows], transposed back as they are
- * stored. The row kernels above cost in proportion to the rows (a 16-row product of a
- * 1B model's linears is compute bound at several times the weights' read time); here
- * the dequantization is paid once per call and each further 16 rows cost one tile
- * product per 32 inputs. A row's result depends on that row alone (AMX sums each row of
- * a tile on its own, in a fixed order), whatever M is and however the features are
- * split between threads. */
+ * The row kernels above cost in proportion to the rows: at 16 rows a 1B model's linears
+ * are compute bound at several times the weights' read time. From NB_Q_AMX_ROWS rows of
+ * x on, where AMX tiles are usable and the caller asks (`amx`), the products run on
+ * tiles instead, 16 output features by 16 rows of x per instruction, and each further
+ * 16 rows cost one or two tile products per block of weights:
+ *
+ * int8 (nb_linear_q8_amx): the weights as they lie in memory are the tiles' A operand
+ * and the sums are the row kernels' exact integer sums (details there).
+ *
+ * int4 (nb_linear_q4_amx): multiplied as the dense path of ops/quant.py multiplies
+ * them (x as it is, the weights dequantized to bf16, float32 sums), but without ever
+ * writing the bf16 weight to memory: each thread dequantizes 16 output features at a
+ * time (nb_q4_dequant_row_lut: the values of nb_dequantize_bf16) into a buffer that
+ * stays in its cache, and multiplies them by every row of x with TDPBF16PS (16 by 16 by
+ * 32 inputs). The dequantized block is the A operand as it lies (16 rows of 32 inputs),
+ * so x goes in as B: transposed once per call into pairs, for each tile of 16 rows of x
+ * and each 32 inputs, 16 pairs of inputs by 16 rows (the VNNI layout).
+ *
+ * Either way the sums are y^T tiles [16 features, 16 rows], transposed back as they are
+ * stored, and a row's result depends on that row alone (AMX sums each row of a tile on
+ * its own, in a fixed order), whatever M is and however the features are split between
+ * threads. */
 #define NB_Q_AMX_ROWS 16
 #define NB_Q_AMX_GROUP 4 /* row tiles whose sums stay in tile registers at once */
 
@@ -1627,6 +1637,10 @@ static void nb_q4_dequant_row_lut(const uint8_t *w, const uint16_t *sz, int64_t 
         const __m512 v = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(nb_f16_to_f32(p[2 * g]))),
                                        _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1])));
         const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+        /* The row 16 on, which this thread dequantizes next (its blocks are consecutive):
+         * 74-78 against 85-90 ms at 16 rows of the 1B shape, interleaved A/B. */
+        if ((g * half) % 64 < half)
+            _mm_prefetch((const char *)(wr + 16 * (Kp / 2) + g * half), _MM_HINT_T0);
         for (int64_t c = 0; c < half; c += 32) {
             const __mmask32 mk = nb_mask32(half - c);
             const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, wr + g * half + c));
@@ -1784,14 +1798,16 @@ static void nb_linear_q8_amx(const uint16_t *x, const int8_t *w, const float *sc
     nb_q_inputs_free(&in);
 }
 
-static void nb_linear_q_amx(int bits, const uint16_t *x, const void *w, const void *scales,
-                            const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
-                            int64_t Kp, int64_t G, int out_f32, int nthreads) {
+static void nb_linear_q4_amx(const uint16_t *x, const uint8_t *w, const uint16_t *sz,
+                             const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
+                             int64_t Kp, int64_t G, int out_f32, int nthreads) {
     static __thread void *xt_buf;
     static __thread size_t xt_cap;
     const int64_t mt = (M + 15) / 16, nblocks = (N + 15) / 16;
-    /* The dequantized block's rows are Kp + 32 values apart: Kp * 2 bytes is often a
-     * multiple of 4 KiB, which would put the 16 rows in one set of the L1 cache. */
+    /* The block's rows are dequantized whole, each one stream the hardware prefetcher
+     * follows (dequantizing 512 inputs of the 16 rows at a time, for L1, was 10% slower
+     * at 16 rows of the 1B shape), Kp + 32 values apart: Kp * 2 bytes is often a multiple
+     * of 4 KiB, which would put the 16 rows in one set of the L1 cache. */
     const int64_t lda = Kp + 32;
     uint32_t *xt = (uint32_t *)nb_scratch(&xt_buf, &xt_cap, (size_t)(mt * Kp / 2 * 16 * 4));
 #pragma omp parallel num_threads(nthreads)
@@ -1809,9 +1825,7 @@ static void nb_linear_q_amx(int bits, const uint16_t *x, const void *w, const vo
         for (int64_t nb = 0; nb < nblocks; nb++) {
             const int64_t n0 = 16 * nb;
             for (int64_t j = 0; j < 16; j++) {
-                if (n0 + j < N)
-                    nb_q4_dequant_row_lut((const uint8_t *)w, (const uint16_t *)scales, Kp, G,
-                                          n0 + j, a + j * lda);
+                if (n0 + j < N) nb_q4_dequant_row_lut(w, sz, Kp, G, n0 + j, a + j * lda);
                 else memset(a + j * lda, 0, (size_t)(Kp * 2));
             }
             for (int64_t g0 = 0; g0 < mt; g0 += NB_Q_AMX_GROUP) {
@@ -1845,8 +1859,9 @@ static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *
                          out_f32, nthreads);
         return;
     }
-    if (amx && M >= NB_Q_AMX_ROWS && nb_amx_usable()) {
-        nb_linear_q_amx(bits, x, w, scales, bias, y, M, N, K, Kp, G, out_f32, nthreads);
+    if (amx && bits == 4 && M >= NB_Q_AMX_ROWS && nb_amx_usable()) {
+        nb_linear_q4_amx(x, (const uint8_t *)w, (const uint16_t *)scales, bias, y, M, N, K, Kp,
+                         G, out_f32, nthreads);
         return;
     }
     if (bits == 4 && M >= NB_Q_TILE_ROWS && K % 2 == 0) {

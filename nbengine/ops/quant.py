@@ -23,21 +23,27 @@ Products, as the kernels compute them (bfloat16 inputs):
 - int8: each row of ``x`` is scaled to int16 (``round(x * 32767 / max|x|)``; the error
   is at most 1/65534 of the row's largest value, below bfloat16's own rounding of
   ``x``), and the dot products with the integer weights are exact integer sums, scaled
-  afterwards: one AVX-512 VNNI instruction per 32 products.
-- int4 below ``TILE_ROWS`` rows: each group of ``G`` inputs of a row (the weights'
-  groups) is scaled to int8 on its own (``round(x * 127 / max|x|)`` over the group: an
-  error of at most 1/254 of the group's largest value), and the dot products are exact
-  integer sums, scaled by the group's two scales afterwards: one VNNI instruction per 64
-  products, which keeps int4 decode at memory speed where int16 inputs left it
-  compute bound (docs/quantization.md, "Kernels").
-- int4 from ``TILE_ROWS`` rows on (prefill): the weights are dequantized to bfloat16 one
-  tile at a time and multiplied as a bfloat16 model's weights are.
+  afterwards: one AVX-512 VNNI instruction per 32 products below ``native.AMX_ROWS``
+  rows, and from there on, on CPUs with AMX, AMX int8 tile products of the weights as
+  they lie in memory (the int16 inputs split into a high and a low byte): the same
+  integer sums, so the same values to float32 rounding, at a fraction of the cost.
+- int4 below ``native.AMX_ROWS`` rows (``TILE_ROWS`` without AMX): each group of ``G``
+  inputs of a row (the weights' groups) is scaled to int8 on its own (``round(x * 127 /
+  max|x|)`` over the group: an error of at most 1/254 of the group's largest value), and
+  the dot products are exact integer sums, scaled by the group's two scales afterwards:
+  one VNNI instruction per 64 products, which keeps int4 decode at memory speed where
+  int16 inputs left it compute bound (docs/quantization.md, "Kernels").
+- int4 from ``native.AMX_ROWS`` rows on CPUs with AMX: the weights are dequantized to
+  bfloat16, 16 output rows at a time into a buffer that stays in cache, and multiplied on
+  AMX bfloat16 tiles by ``x`` as it is; elsewhere the same from ``TILE_ROWS`` rows on
+  (prefill), one tile of 64 output rows at a time with the bfloat16 kernel. Either way
+  the products see the weights rounded to bfloat16, as a bfloat16 model's are.
 - On CPUs where bfloat16 linears carry a oneDNN twin (AMX: ops/linear.py), products of
-  ``DENSE_MIN_ROWS`` rows or more (prefill, large decode batches) take neither: the
+  ``dense_min_rows()`` rows or more (long prefill chunks) take none of these: the
   weight is dequantized to bfloat16 (``_DENSE_TILE_BYTES`` at a time, into one buffer per
-  thread that is reused from call to call) and multiplied in oneDNN, whose AMX tiles run
-  such products several times faster than the VNNI row kernels (3072 x 576 at 512 rows:
-  2.7 against 14.9 ms, int8). Those products, too, see the weights rounded to bfloat16.
+  thread that is reused from call to call) and multiplied in oneDNN, whose AMX kernels
+  do many rows faster than the tile kernels above (their crossover: ``DENSE_MIN_ROWS``).
+  Those products, too, see the weights rounded to bfloat16.
 
 float32 inputs (float32 models: the kernels are not used) are multiplied in float32.
 """
