@@ -11,10 +11,11 @@ and reports
   share where the mode's most likely next token is bfloat16's.
 
 ``--max-num-batched-tokens 4`` scores in chunks of four tokens, which the quantized
-kernels multiply as they do in decode steps (inputs scaled to int16 per row for int8, to
-int8 per group for int4: ops/quant.py); with
-the default (512), int4 products of 128 rows or more take the prefill path (weights
-dequantized to bfloat16 per tile).
+kernels multiply as they do in decode steps of a few rows (inputs scaled to int16 per row
+for int8, to int8 per group for int4: ops/quant.py); with the default (512), products of
+many rows take the paths of prefill (on AMX CPUs: from 16 rows int8 on the AMX tiles with
+the same int16 inputs and int4 by weights rounded to bfloat16, from 256 rows either by
+weights rounded to bfloat16; elsewhere int4 from 128 rows by bfloat16-rounded weights).
 
 Prompts are rows of 255 tokens (the model's context is 256 and one token is generated),
 so the perplexity covers 254 predictions per row where training's evaluation covered 256:
