@@ -1865,7 +1865,8 @@ static inline void nb_q_block(int bits, const nb_qx *in, const void *w, const vo
 static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *scales,
                         const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t K,
                         int64_t Kp, int64_t G, int out_f32, int nthreads, int amx) {
-    if (amx && bits == 8 && M >= NB_Q_AMX_ROWS && nb_amx_int8_usable()) {
+    /* (int8 on tiles: its int32 sums are exact up to 65536 inputs) */
+    if (amx && bits == 8 && M >= NB_Q_AMX_ROWS && Kp <= 65536 && nb_amx_int8_usable()) {
         nb_linear_q8_amx(x, (const int8_t *)w, (const float *)scales, bias, y, M, N, K, Kp,
                          out_f32, nthreads);
         return;

@@ -186,8 +186,9 @@ class NativeKernels:
         int4: ``qweight`` uint8 ``[N, Kp / 2]``, ``scales`` float16 ``[N, Kp / G, 2]``
         (scale, zero). ``x`` contiguous bfloat16 with ``K = in_features``; the result is
         ``[M, N]`` in ``out_dtype`` (bfloat16 or float32). ``amx``: from ``AMX_ROWS`` rows
-        on, where ``self.amx`` is True, the product runs on AMX tiles by the weights
-        dequantized to bfloat16 (ops/quant.py, "Products"); see ``bf16_weight_rows``.
+        on, where ``self.amx`` is True, the product runs on AMX tiles: int8 with the row
+        kernels' integer sums, int4 by the weights rounded to bfloat16 (ops/quant.py,
+        "Products"; ``linear_quantized_reference(..., amx=True)`` computes the same).
         """
         m = x.shape[0]
         n = qweight.shape[0]
