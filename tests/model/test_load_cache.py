@@ -27,7 +27,12 @@ from nbengine.ops.quant import quantize_linears
 from nbengine.ops.rotary import RotaryEmbedding
 from nbengine.testing import make_tiny_model
 
-KW = dict(num_kv_blocks=64, block_size=16, seed=0)
+# Steps of at most 8 prompt tokens beside the 6 decode rows: fewer than 16 rows, so every
+# quantized product takes the row kernels, whose values do not depend on the batch. With
+# larger steps, how LLM.generate's requests fall into steps (timing) would choose between
+# the row kernels and the AMX tiles, whose int4 products differ (docs/quantization.md),
+# and two runs could differ for reasons other than the cache.
+KW = dict(num_kv_blocks=64, block_size=16, seed=0, max_num_batched_tokens=8, max_num_seqs=6)
 PROMPTS = [[1 + (7 * i + 3 * j) % 200 for j in range(5 + i)] for i in range(6)]
 GREEDY = nb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SHAPE = dict(
