@@ -1554,15 +1554,22 @@ static void nb_q_amx_inputs(const uint16_t *x, int64_t M, int64_t K, int64_t Kp,
     }
 }
 
+/* y[rows 16 t .., features n0 ..] from r, a y^T tile [16 features, 16 rows] of float32
+ * (transposed in place). */
+static void nb_q_amx_store_rows(__m512i r[16], void *y, const uint16_t *bias, int64_t M,
+                                int64_t N, int64_t t, int64_t n0, int out_f32) {
+    nb_transpose16_epi32(r);
+    for (int i = 0; i < 16 && 16 * t + i < M; i++)
+        nb_store16(y, (16 * t + i) * N + n0, N - n0, _mm512_castsi512_ps(r[i]),
+                   bias ? bias + n0 : 0, out_f32);
+}
+
 /* y[rows 16 t .., features n0 ..] from the y^T tile `c` [16 features, 16 rows]. */
 static void nb_q_amx_store(const float *c, void *y, const uint16_t *bias, int64_t M, int64_t N,
                            int64_t t, int64_t n0, int out_f32) {
     __m512i r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(c + 16 * i);
-    nb_transpose16_epi32(r);
-    for (int i = 0; i < 16 && 16 * t + i < M; i++)
-        nb_store16(y, (16 * t + i) * N + n0, N - n0, _mm512_castsi512_ps(r[i]),
-                   bias ? bias + n0 : 0, out_f32);
+    nb_q_amx_store_rows(r, y, bias, M, N, t, n0, out_f32);
 }
 
 /* Row tiles g0 .. g0 + ng - 1 (ng <= NB_Q_AMX_GROUP) times the dequantized block `a`
@@ -1742,10 +1749,7 @@ static void nb_q8_amx_store(const int32_t *c, const float *scales, const float *
         const float sn = n0 + j < N ? scales[n0 + j] : 0.0f;
         r[j] = _mm512_castps_si512(_mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(sn), sxv)));
     }
-    nb_transpose16_epi32(r);
-    for (int i = 0; i < 16 && 16 * t + i < M; i++)
-        nb_store16(y, (16 * t + i) * N + n0, N - n0, _mm512_castsi512_ps(r[i]),
-                   bias ? bias + n0 : 0, out_f32);
+    nb_q_amx_store_rows(r, y, bias, M, N, t, n0, out_f32);
 }
 
 static void nb_linear_q8_amx(const uint16_t *x, const int8_t *w, const float *scales,
