@@ -311,8 +311,8 @@ class LlamaForCausalLM(CheckpointModule, PlannedDecode):
         # whole stack; False forces the module path (the device path; tests compare the
         # two). The runner sets both limits once, through configure_decode_plans.
         self.decode_plans_enabled = True
-        # With oneDNN twins (ops/linear.py), decode steps of more rows than this run the
-        # module path, whose products of that many rows run on the twins; None: no limit.
+        # Where products of many rows run on AMX tiles (ops/linear.py), decode steps of
+        # more rows than this run the module path; None: no limit.
         self.decode_plan_max_rows: int | None = None
         self.decode_plans_paused = False  # pause_decode_plans: a LoRA step (docs/lora.md)
         self._plan: DecodePlan | None = None

@@ -7,9 +7,9 @@ the model yet (the ``before_weights`` hook of ``load_model``). It estimates
   read) at the dtype the engine will use, not the checkpoint's; plus the separate packed
   ``lm_head`` that bfloat16 models with tied embeddings get (ops/linear.py); with
   ``quantization``, linear weights at that format's bytes per weight (ops/quant.py), so
-  the KV cache gets the memory they no longer take; on CPUs with AMX, the oneDNN copy of
-  the bfloat16 linear weights (ops/linear.py, "The oneDNN twin"), kept only while it
-  takes at most ``_TWIN_SHARE`` of the free memory;
+  the KV cache gets the memory they no longer take; with ``NBENGINE_LINEAR=twin`` on
+  CPUs with AMX, the oneDNN copy of the bfloat16 linear weights (ops/linear.py, "The
+  oneDNN twin"), kept only while it takes at most ``_TWIN_SHARE`` of the free memory;
 - the **RoPE tables**: cos and sin, float32, ``max_model_len x head_dim / 2`` each, per
   distinct RoPE setting (Gemma 3 has two; ops/rotary.py), which matter for very long
   contexts;

@@ -51,7 +51,7 @@ from nbengine.ops.attention import (
     build_attention_metadata,
 )
 from nbengine.ops.linear import (
-    ONEDNN_MIN_ROWS,
+    amx_min_rows,
     linear_mode,
     pack_linears,
 )
@@ -229,9 +229,12 @@ class ModelRunner:
             if loaded.pack_cache is not None:  # a miss: store them for the next load
                 loaded.pack_cache.store(loaded.model)
                 loaded.pack_cache = None
-            if twin:
-                # Larger decode steps take the module path, whose products use the twins.
-                plan_max_rows = ONEDNN_MIN_ROWS - 1
+            tiles = amx_min_rows(twin)
+            if tiles is not None:
+                # From that many rows the products run on AMX tiles (or the twins) and
+                # round otherwise than alone: larger decode steps take the module path,
+                # and speculative drafts keep a step below it.
+                plan_max_rows = tiles - 1
         elif (
             loaded.model is not None
             and loaded.dtype == torch.bfloat16

@@ -10,22 +10,27 @@ the AMD host (no AMX) it was as fast as oneDNN at every batch size up to 512 row
 
 ``PackedLinear``: oneDNN's prepacked weights, where the native kernels are unavailable.
 
-**The oneDNN twin (CPUs with AMX).** The native kernels use AVX-512 BF16 dot products.
-On a CPU with AMX tile units (``amx_bf16``: Intel Xeon since Sapphire Rapids) oneDNN's
-bfloat16 products run on the tiles and leave them far behind once a product has a few
-rows: measured on this project's Intel host (2 threads, SmolLM2-135M shapes) a
-``[64, 576] x [576, 3072]`` product took 2.4 ms natively and 0.6 ms in oneDNN, and a
-512-row one 20.6 ms against 3.7 ms; at one row the native kernel stays as fast or
-faster. So on such CPUs a ``NativeLinear`` may also hold a oneDNN-packed copy of its
-weight (``onednn_twin=True`` in ``pack_linears``) and send products of
-``ONEDNN_MIN_ROWS`` rows or more to it: prefill chunks and large decode batches on the
-tiles, small decode batches through the native kernels and the whole-stack decode plan
-(model/decode_plan.py). The copy doubles the linear layers' memory, so the memory plan
-counts it and turns it off when it would take much of the free memory
-(model/memory_plan.py). oneDNN rounds its output to bfloat16 (as ``F.linear`` does), so
-the float32 logits of a large batch carry bfloat16 rounding, like ``transformers``'.
-``NBENGINE_LINEAR=native`` turns the twin off; ``NBENGINE_LINEAR=onednn`` uses oneDNN's
-packing alone (no native linears, no decode plan), for comparisons.
+**Products of many rows (CPUs with AMX).** The native kernels use AVX-512 BF16 dot
+products, which a product of many rows leaves compute bound. On a CPU with AMX tile
+units (``amx_bf16``: Intel Xeon since Sapphire Rapids) ``NativeKernels.linear`` runs
+products of ``native.BF16_AMX_ROWS`` rows or more on the tiles instead, reading the same
+packed weights (ops/kernels.c, "bfloat16 weights on AMX tiles"): prefill chunks and
+large decode batches on the tiles, small decode batches through the dpbf16 kernels and
+the whole-stack decode plan (model/decode_plan.py). Measured on this project's Intel
+host (2 threads, one pass over the Llama-3.2-1B shape's linears): 16 rows 102 ms
+against 348 with the dpbf16 kernels, 512 rows 883 ms against 6563.
+
+**The oneDNN twin (``NBENGINE_LINEAR=twin``).** Before those tile kernels, a
+``NativeLinear`` on an AMX CPU also held a oneDNN-packed copy of its weight (the twin)
+and sent products of ``ONEDNN_MIN_ROWS`` rows or more to oneDNN's AMX kernels. That
+copy doubles the linear layers' memory and is made again at every load (a oneDNN
+tensor cannot be stored in the load cache), for products about as fast as the native
+tiles' (same pass: 16 rows 109 ms, 512 rows 821-872 ms). It is kept as an option for
+comparisons; the memory plan counts it and turns it off when it would take much of the
+free memory (model/memory_plan.py). oneDNN rounds its output to bfloat16 (as
+``F.linear`` does), so the float32 logits of a large batch carry bfloat16 rounding,
+like ``transformers'``. ``NBENGINE_LINEAR=onednn`` uses oneDNN's packing alone (no
+native linears, no decode plan), for comparisons.
 
 ``F.linear`` on bfloat16 CPU tensors re-lays the weight out on every call and, for the
 single-row products of decoding, runs a slow path: measured on this project's machine
@@ -57,29 +62,46 @@ from nbengine.ops.arena import WeightArena
 logger = logging.getLogger(__name__)
 
 
-# Products with at least this many rows go to the oneDNN twin (module docstring): on the
-# Intel host the twin was faster from 8 rows on for every SmolLM2-135M shape, but a
-# whole-stack decode plan step (model/decode_plan.py) of 8 rows still beat the module
-# path on the twins; from 16 rows the twins won.
-ONEDNN_MIN_ROWS = 12
+# Products with at least this many rows go to the oneDNN twin (module docstring): the
+# rows from which the native kernels use AMX tiles, so that a step's rounding changes at
+# one row count whichever runs it (the decode plan takes the smaller steps).
+ONEDNN_MIN_ROWS = native.BF16_AMX_ROWS
 
 
 def linear_mode() -> str:
-    """``NBENGINE_LINEAR``: "auto" (the default: native, with the oneDNN twin on AMX
-    CPUs), "native" (no twin) or "onednn" (oneDNN packing alone)."""
+    """``NBENGINE_LINEAR``: "auto" (the default: native, on AMX tiles from
+    ``native.BF16_AMX_ROWS`` rows where the CPU has them), "native" (the same), "twin"
+    (native, with a oneDNN twin on AMX CPUs) or "onednn" (oneDNN packing alone)."""
     mode = os.environ.get("NBENGINE_LINEAR", "auto")
-    return mode if mode in ("auto", "native", "onednn") else "auto"
+    return mode if mode in ("auto", "native", "twin", "onednn") else "auto"
 
 
-def onednn_twin_supported(dtype: torch.dtype) -> bool:
-    """True when bfloat16 ``NativeLinear``s here should carry a oneDNN twin: native kernels
-    and oneDNN bfloat16 available, a CPU with AMX, and ``NBENGINE_LINEAR`` not set against."""
+def onednn_amx_supported(dtype: torch.dtype) -> bool:
+    """True when ``dtype`` products of many rows here can run on oneDNN's AMX kernels
+    beside the native ones: native kernels and oneDNN bfloat16 available, a CPU with AMX,
+    and ``NBENGINE_LINEAR`` not "onednn"."""
     return (
-        linear_mode() == "auto"
+        linear_mode() != "onednn"
         and packed_linear_supported(dtype)
         and native.kernels() is not None
         and native_build.has_amx()
     )
+
+
+def onednn_twin_supported(dtype: torch.dtype) -> bool:
+    """True when bfloat16 ``NativeLinear``s here should carry a oneDNN twin:
+    ``NBENGINE_LINEAR=twin`` and ``onednn_amx_supported``."""
+    return linear_mode() == "twin" and onednn_amx_supported(dtype)
+
+
+def amx_min_rows(twin: bool) -> int | None:
+    """The rows from which ``pack_linears``' bfloat16 products here (with a oneDNN
+    ``twin`` or not) run on AMX tiles, and so round otherwise than a row alone; None:
+    never (no AMX, or ``NBENGINE_LINEAR=onednn``)."""
+    if twin:
+        return ONEDNN_MIN_ROWS
+    kernels = native.kernels() if linear_mode() != "onednn" else None
+    return native.BF16_AMX_ROWS if kernels is not None and kernels.amx else None
 
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:

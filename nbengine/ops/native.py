@@ -43,7 +43,7 @@ _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _F32 = ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
-    "nb_linear_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT],
+    "nb_linear_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT],
     "nb_rms_norm_bf16": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "nb_silu_mul_bf16": [_P, _P, _I64, _I64, _INT],
     "nb_rotary_bf16": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
@@ -87,6 +87,11 @@ SMALL_ROWS = 16
 # From this many rows on, quantized products run on AMX tiles where ``NativeKernels.amx``
 # (NB_Q_AMX_ROWS in kernels.c).
 AMX_ROWS = 16
+# From this many rows on, bfloat16 products run on AMX tiles where ``NativeKernels.amx``
+# (NB_BF16_AMX_ROWS in kernels.c). Below it a row's product does not depend on the rows
+# beside it (docs/speculative-decoding.md, "Exactness"); from it on, neither, but it is
+# rounded otherwise than alone.
+BF16_AMX_ROWS = 12
 
 
 class NativeKernels:
@@ -142,11 +147,15 @@ class NativeKernels:
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.bfloat16,
         num_threads: int | None = None,
+        amx: bool = True,
     ) -> torch.Tensor:
         """``x [M, K] @ W.T (+ bias)`` for a ``W [N, K]`` packed by ``pack_linear_weight``.
 
         ``x`` must be a contiguous bfloat16 matrix with even ``K``; the result is
-        ``[M, N]`` in ``out_dtype`` (bfloat16 or float32).
+        ``[M, N]`` in ``out_dtype`` (bfloat16 or float32). ``amx``: from ``BF16_AMX_ROWS``
+        rows on, where ``self.amx`` is True and ``K`` is a multiple of 32, the product
+        runs on AMX tiles (the same float32 sums of bfloat16 products, in another order;
+        each row's result depends on that row alone).
         """
         m, k = x.shape
         y = torch.empty(m, out_features, dtype=out_dtype)
@@ -165,6 +174,7 @@ class NativeKernels:
             k,
             int(out_dtype == torch.float32),
             num_threads,
+            int(amx),
         )
         return y
 

@@ -38,7 +38,7 @@ Products, as the kernels compute them (bfloat16 inputs):
   AMX bfloat16 tiles by ``x`` as it is; elsewhere the same from ``TILE_ROWS`` rows on
   (prefill), one tile of 64 output rows at a time with the bfloat16 kernel. Either way
   the products see the weights rounded to bfloat16, as a bfloat16 model's are.
-- On CPUs where bfloat16 linears carry a oneDNN twin (AMX: ops/linear.py), products of
+- On CPUs where oneDNN multiplies bfloat16 on AMX tiles (ops/linear.py), products of
   ``dense_min_rows()`` rows or more (long prefill chunks) take none of these: the
   weight is dequantized to bfloat16 (``_DENSE_TILE_BYTES`` at a time, into one buffer per
   thread that is reused from call to call) and multiplied in oneDNN, whose AMX kernels
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbengine.ops import native
-from nbengine.ops.linear import onednn_twin_supported
+from nbengine.ops.linear import onednn_amx_supported
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +126,8 @@ _scratch = _DenseScratch()
 
 def dense_supported() -> bool:
     """True when quantized products of ``DENSE_MIN_ROWS`` rows or more take the dense path
-    (dequantized bfloat16 weights in oneDNN): where bfloat16 linears get oneDNN twins."""
-    return _native_enabled() and onednn_twin_supported(torch.bfloat16)
+    (dequantized bfloat16 weights in oneDNN): where oneDNN has AMX kernels."""
+    return _native_enabled() and onednn_amx_supported(torch.bfloat16)
 
 
 def bytes_per_weight(mode: str) -> float:

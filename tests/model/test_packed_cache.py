@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 KW = dict(num_kv_blocks=64, block_size=16, seed=0, dtype="bfloat16")
 PROMPTS = [[1 + (7 * i + 3 * j) % 200 for j in range(5 + i)] for i in range(6)]
-# Prompts of 12 tokens and more reach the oneDNN twins where the CPU has them.
+# Prompts of 12 tokens and more reach the AMX tiles (or oneDNN twins) where the CPU has them.
 PROMPTS.append([3 + (5 * j) % 190 for j in range(40)])
 GREEDY = nb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SHAPE = dict(
@@ -76,7 +76,7 @@ def _hits(log: pytest.LogCaptureFixture) -> int:
     return sum("from the load cache" in r.getMessage() for r in log.records)
 
 
-@pytest.mark.parametrize("linear", ["auto", "native"])  # with a oneDNN twin where AMX has one
+@pytest.mark.parametrize("linear", ["auto", "twin"])  # twin: a oneDNN twin where AMX has one
 def test_a_hit_gives_the_outputs_of_a_miss_and_of_no_cache(
     model_dir: Path,
     cache_dir: Path,

@@ -66,12 +66,46 @@ def test_linear_row_is_the_same_in_any_batch(n: int, k: int) -> None:
     w, b = _bf16(n, k, seed=4), _bf16(n, seed=5)
     packed = native.pack_linear_weight(w)
     x = _bf16(13, k, seed=6)
-    for m in (2, 3, 4, 5, 8, 13):
+    # Below BF16_AMX_ROWS; from there on only with the AMX tiles turned off.
+    for m, amx in [(2, True), (3, True), (5, True), (8, True), (11, True), (13, False)]:
+        assert amx is False or m < native.BF16_AMX_ROWS
         for out_dtype in (BF16, torch.float32):
-            got = kernels.linear(x[:m].contiguous(), packed, n, b, out_dtype=out_dtype)
+            got = kernels.linear(x[:m].contiguous(), packed, n, b, out_dtype=out_dtype, amx=amx)
             for i in range(m):
                 one = kernels.linear(x[i : i + 1].contiguous(), packed, n, b, out_dtype=out_dtype)
                 assert torch.equal(got[i], one[0]), (m, i, out_dtype)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("n,k", [(64, 32), (37, 96), (960, 576), (200, 2048)])
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float32])
+def test_amx_products_of_many_rows(n: int, k: int, out_dtype: torch.dtype) -> None:
+    # From BF16_AMX_ROWS rows the product runs on AMX tiles: as close to the exact sums as
+    # the dpbf16 kernels, and a row's result is the same in every batch that large (alone
+    # in a tile with zero rows, among 70, on one thread or two).
+    assert kernels is not None
+    w, b = _bf16(n, k, seed=7), _bf16(n, seed=8)
+    packed = native.pack_linear_weight(w)
+    x = _bf16(70, k, seed=9)
+    exact = x.double() @ w.double().T + b.double()
+    first = None
+    for m in (native.BF16_AMX_ROWS, 16, 17, 33, 70):
+        for threads in (1, 2):
+            got = kernels.linear(x[:m].contiguous(), packed, n, b, out_dtype, threads)
+            assert got.shape == (m, n) and got.dtype == out_dtype
+            if out_dtype == torch.float32:
+                torch.testing.assert_close(got.double(), exact[:m], rtol=1e-5, atol=1e-4)
+            else:
+                torch.testing.assert_close(
+                    got.float(), F.linear(x[:m], w, b).float(), rtol=1e-2, atol=1e-2
+                )
+            rows = got[: native.BF16_AMX_ROWS]
+            first = rows if first is None else first
+            assert torch.equal(rows, first), (m, threads)
+    # The dpbf16 kernels' sums are in another order: where they differ, the tiles ran.
+    dp = kernels.linear(x[:16].contiguous(), packed, n, b, torch.float32, amx=False)
+    tiles = kernels.linear(x[:16].contiguous(), packed, n, b, torch.float32)
+    assert k <= 32 or not torch.equal(dp, tiles)
 
 
 def test_native_linear_module_and_arena() -> None:

@@ -1,15 +1,24 @@
-"""The quantized product paths over a whole 1B-shaped model, per decode-step size.
+"""The product paths over a whole 1B-shaped model, per step size (rows).
 
-``python scripts/bench_1b_quant_paths.py int8 16,32,64,96 [row,amx,dense]``: random weights
-in Llama-3.2-1B's shape (16 layers of qkv 3072x2048, o 2048x2048, gate_up 16384x2048 and
-down 2048x8192, plus the 128256x2048 head), quantized once; for each row count, the time
-of one pass over every linear (what a step of that many rows spends in its products), the
-best of 3 after a warm-up, 2 torch threads, on each path:
+``python scripts/bench_1b_linear_paths.py MODE 16,32,64,96 [PATHS]``: random weights in
+Llama-3.2-1B's shape (16 layers of qkv 3072x2048, o 2048x2048, gate_up 16384x2048 and
+down 2048x8192, plus the 128256x2048 head), packed or quantized once; for each row count,
+the time of one pass over every linear (what a step of that many rows spends in its
+products), the best of 3 after a warm-up, 2 torch threads, on each path.
+
+``MODE`` int8 or int4 (paths ``row,amx,dense``, the default):
 
 - ``row``: the VNNI row kernels (``amx=False``);
 - ``amx``: the AMX tile kernels (``amx=True``; the row kernels where the CPU has no AMX);
 - ``dense``: ops/quant.py's dense path, the weight dequantized to bfloat16 into the reused
   per-thread buffer, in slices of ``_DENSE_TILE_BYTES``, and multiplied in oneDNN.
+
+``MODE`` bf16 (paths ``native,amx,onednn``, the default):
+
+- ``native``: the dpbf16 kernels on the packed weights (``amx=False``);
+- ``amx``: the AMX tile kernels on the same packed weights (``amx=True``);
+- ``onednn``: oneDNN's prepacked weights (``torch.ops.mkldnn._linear_pointwise``), as
+  ``PackedLinear`` multiplies them (this doubles the weights' memory: 5 GB in all).
 
 The weights (about 1.2 GB at int8) do not fit in the last-level cache, so each pass reads
 them from memory, as a decode step does (docs/quantization.md, "Kernels"). Run it under
@@ -48,6 +57,9 @@ def main() -> None:
     kernels = native.kernels()
     if kernels is None:
         raise SystemExit("the native kernels are unavailable on this machine (ops/native.py)")
+    if mode == "bf16":
+        bf16_paths(kernels, rows, paths if len(sys.argv) > 3 else ["native", "amx", "onednn"])
+        return
     group = QUANTIZATION_MODES[mode]
 
     def quantize(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -74,6 +86,36 @@ def main() -> None:
         return time.perf_counter() - start
 
     print(f"{mode}, ms per pass over the 1B shape's linears (AMX tiles usable: {kernels.amx})")
+    for m in rows:
+        cells = []
+        for path in paths:
+            one_pass(m, path)
+            cells.append(f"{path} {min(one_pass(m, path) for _ in range(3)) * 1e3:7.1f}")
+        print(f"M = {m:4d}: " + "  ".join(cells), flush=True)
+
+
+def bf16_paths(kernels: native.NativeKernels, rows: list[int], paths: list[str]) -> None:
+    """``main`` for bfloat16 weights."""
+
+    def make(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+        w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+        packed = native.pack_linear_weight(w)
+        dnn = torch.ops.mkldnn._reorder_linear_weight(w, None) if "onednn" in paths else None
+        return packed, dnn, n, k
+
+    weights = [make(n, k) for _ in range(LAYERS) for n, k in SHAPES] + [make(*HEAD)]
+
+    def one_pass(m: int, path: str) -> float:
+        xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {k for *_, k in weights}}
+        start = time.perf_counter()
+        for packed, dnn, n, k in weights:
+            if path == "onednn":
+                torch.ops.mkldnn._linear_pointwise(xs[k], dnn, None, "none", [None], "")
+            else:
+                kernels.linear(xs[k], packed, n, amx=path == "amx")
+        return time.perf_counter() - start
+
+    print(f"bf16, ms per pass over the 1B shape's linears (AMX tiles usable: {kernels.amx})")
     for m in rows:
         cells = []
         for path in paths:
