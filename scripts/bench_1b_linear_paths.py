@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,13 +86,7 @@ def main() -> None:
                 kernels.linear_quantized(x, q, s, k, group, None, amx=path == "amx")
         return time.perf_counter() - start
 
-    print(f"{mode}, ms per pass over the 1B shape's linears (AMX tiles usable: {kernels.amx})")
-    for m in rows:
-        cells = []
-        for path in paths:
-            one_pass(m, path)
-            cells.append(f"{path} {min(one_pass(m, path) for _ in range(3)) * 1e3:7.1f}")
-        print(f"M = {m:4d}: " + "  ".join(cells), flush=True)
+    report(mode, kernels, rows, paths, one_pass)
 
 
 def bf16_paths(kernels: native.NativeKernels, rows: list[int], paths: list[str]) -> None:
@@ -115,7 +110,18 @@ def bf16_paths(kernels: native.NativeKernels, rows: list[int], paths: list[str])
                 kernels.linear(xs[k], packed, n, amx=path == "amx")
         return time.perf_counter() - start
 
-    print(f"bf16, ms per pass over the 1B shape's linears (AMX tiles usable: {kernels.amx})")
+    report("bf16", kernels, rows, paths, one_pass)
+
+
+def report(
+    mode: str,
+    kernels: native.NativeKernels,
+    rows: list[int],
+    paths: list[str],
+    one_pass: Callable[[int, str], float],
+) -> None:
+    """Print one line per row count: each path's best of 3 passes after a warm-up, in ms."""
+    print(f"{mode}, ms per pass over the 1B shape's linears (AMX tiles usable: {kernels.amx})")
     for m in rows:
         cells = []
         for path in paths:
