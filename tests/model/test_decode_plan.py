@@ -309,6 +309,30 @@ def test_with_onednn_twins_large_decode_steps_take_the_module_path(
     assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
 
 
+@pytest.mark.skipif(not getattr(native.kernels(), "amx", False), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("linear", ["auto", "native"])
+def test_with_amx_tiles_large_decode_steps_take_the_module_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linear: str
+) -> None:
+    """Where the native kernels run products of BF16_AMX_ROWS rows or more on AMX tiles
+    (no oneDNN twin, the default), the plan runs only the smaller decode steps: a larger
+    one rounds otherwise than its rows alone (docs/speculative-decoding.md)."""
+    from nbengine.ops.linear import NativeLinear
+
+    monkeypatch.setenv("NBENGINE_LINEAR", linear)
+    path = make_tiny_model(tmp_path / "m", "llama", **PLAN_SHAPE)
+    core = EngineCore(
+        EngineConfig.from_kwargs(path, dtype="bfloat16", max_num_seqs=24), ModelRunner
+    )
+    model = core.runner.model
+    assert model.decode_plan_max_rows == native.BF16_AMX_ROWS - 1
+    linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    assert linears and not any(m.has_onednn_twin for m in linears)
+    rows_seen, _ = _twenty_then_alone(core)
+    assert (20, False) in rows_seen and (1, True) in rows_seen
+    assert all(used == (rows < native.BF16_AMX_ROWS) for rows, used in rows_seen)
+
+
 def _twenty_then_alone(
     core: EngineCore, between: Callable[[], None] = lambda: None
 ) -> tuple[list[tuple[int, bool]], int]:
