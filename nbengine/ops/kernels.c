@@ -38,6 +38,14 @@
  * bench model's shape at one row, interleaved A/B: bf16 13.6 -> 10.0 ms on two threads
  * (1, 2, 4 and 8 KiB ahead: 11.9, 10.3, 10.0, 9.8). */
 #define NB_PREFETCH_BYTES 4096
+/* Those prefetches of weight streams fill the L2, not the L1: an L1 prefetch holds one
+ * of the core's few line-fill buffers until its line comes from memory, which caps the
+ * lines in flight, while an L2 prefetch queues at the L2 (more of them) and the loads
+ * then hit the L2. Measured 2026-12-03 on the Intel host, 1-row products over 0.4-0.8 GB
+ * of 16384x2048 weights (best of 3, 4 interleaved rounds), GB/s read, T0 -> T1: bf16
+ * 11.8 -> 12.5 (one thread), 23.8 -> 25.4 (two); int8 10.9 -> 13.2, 21.3 -> 25.2; int4
+ * 10.8 -> 12.2, 20.1 -> 22.9 (docs/benchmarks.md, "Prefetching weights into the L2"). */
+#define NB_STREAM_HINT _MM_HINT_T1
 
 static inline void nb_store16(void *y, int64_t off, int64_t nvalid, __m512 v,
                               const uint16_t *bias, int out_f32) {
@@ -120,7 +128,7 @@ static void nb_linear_tile(const uint16_t *x, const uint16_t *wt, const uint16_t
             for (; p + 2 <= pairs; p += 2) {
                 if (i == 0) {  /* M < 4 streams the weights once: fetch ahead of the loads */
                     const char *ahead = (const char *)(wt + p * NB_TILE * 2) + NB_PREFETCH_BYTES;
-                    for (int c = 0; c < 8; c++) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+                    for (int c = 0; c < 8; c++) _mm_prefetch(ahead + 64 * c, NB_STREAM_HINT);
                 }
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
@@ -1349,8 +1357,8 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
             for (int64_t k = k0; k < k1; k += 32) {
                 const __m512i xv = _mm512_load_si512(xr + k);
                 if (m == 0) {
-                    _mm_prefetch(pf + 4 * k, _MM_HINT_T0);
-                    _mm_prefetch(pf + 4 * k + 64, _MM_HINT_T0);
+                    _mm_prefetch(pf + 4 * k, NB_STREAM_HINT);
+                    _mm_prefetch(pf + 4 * k + 64, NB_STREAM_HINT);
                 }
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
@@ -1404,8 +1412,8 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
                 zacc[i] = _mm512_mask_add_ps(zacc[i], (__mmask16)0xAAAA, zacc[i], sc[i]);
             }
             if (m == 0) {  /* the scales 4 row blocks ahead: 4 rows x 8 groups x 4 bytes */
-                _mm_prefetch(pfs + 4 * g0 * 4, _MM_HINT_T0);
-                _mm_prefetch(pfs + 4 * g0 * 4 + 64, _MM_HINT_T0);
+                _mm_prefetch(pfs + 4 * g0 * 4, NB_STREAM_HINT);
+                _mm_prefetch(pfs + 4 * g0 * 4 + 64, NB_STREAM_HINT);
             }
             const int64_t start = g0 * half, end = (g0 + cnt) * half;
             for (int64_t off = start, p = 0; off < end; off += 64, p++) {
@@ -1414,7 +1422,7 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
                 const __m512i xhi = _mm512_load_si512(xr + 2 * off + 64);
                 const __m512i lane = _mm512_load_si512(in->lanes + 16 * p);
                 if (m == 0) {  /* the same 64 bytes of the four rows 4 row blocks ahead */
-                    for (int c = 0; c < 4; c++) _mm_prefetch(pf + 4 * off + 64 * c, _MM_HINT_T0);
+                    for (int c = 0; c < 4; c++) _mm_prefetch(pf + 4 * off + 64 * c, NB_STREAM_HINT);
                 }
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
