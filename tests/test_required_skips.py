@@ -22,6 +22,17 @@ def test_needs_a_browser():
 def test_needs_avx512():
     pass
 
+@pytest.mark.required
+@pytest.mark.cpu_feature("no AMX tiles on this CPU")
+@pytest.mark.skipif(True, reason="no AMX tiles on this CPU")
+def test_needs_amx():
+    pass
+
+@pytest.mark.required
+@pytest.mark.cpu_feature("no AMX tiles on this CPU")
+def test_needs_amx_and_the_kernels():
+    pytest.skip("native kernels: no C compiler")
+
 def test_optional():
     pytest.skip("not required")
 
@@ -43,16 +54,21 @@ def test_skips_are_listed_in_their_own_section(
 ) -> None:
     monkeypatch.delenv("NBENGINE_REQUIRE_ALL", raising=False)
     result = suite.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, skipped=3)
+    result.assert_outcomes(passed=1, skipped=5)
     out = result.stdout.str()
-    assert "2 REQUIRED TESTS SKIPPED" in out
+    assert "3 REQUIRED TESTS SKIPPED" in out
     result.stdout.fnmatch_lines(
         [
             "*SKIPPED (required) test_suite.py::test_needs_a_browser: /usr/bin/chromium is missing",
             "*SKIPPED (required) test_suite.py::test_needs_avx512: native kernels: no avx512_bf16",
+            # Marked for a CPU feature, but skipped for another reason: still required.
+            "*SKIPPED (required) test_suite.py::test_needs_amx_and_the_kernels: native kernels: "
+            "no C compiler",
         ]
     )
-    assert "test_optional" not in out.split("REQUIRED TESTS SKIPPED")[1]
+    listed = out.split("REQUIRED TESTS SKIPPED")[1]
+    # A CPU feature CI may lack (AMX tiles) is an ordinary skip, like a test not required.
+    assert "test_optional" not in listed and "test_needs_amx:" not in listed
     assert result.ret == 0
 
 
@@ -61,7 +77,8 @@ def test_require_all_turns_them_into_failures(
 ) -> None:
     monkeypatch.setenv("NBENGINE_REQUIRE_ALL", "1")
     result = suite.runpytest_subprocess("-p", "no:cacheprovider")
-    # A skip at setup (a skipif mark) fails as an error, one in the test body as a failure.
-    result.assert_outcomes(passed=1, skipped=1, failed=1, errors=1)
+    # A skip at setup (a skipif mark) fails as an error, one in the test body as a failure;
+    # the skip for a missing CPU feature stays a skip.
+    result.assert_outcomes(passed=1, skipped=2, failed=2, errors=1)
     result.stdout.fnmatch_lines(["*required test skipped (NBENGINE_REQUIRE_ALL=1*"])
     assert result.ret == 1

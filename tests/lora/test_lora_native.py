@@ -14,6 +14,8 @@ from nbengine.lora.adapter import AdapterWeights
 from nbengine.lora.layers import LoRALayers
 from nbengine.ops import native
 
+from support.cpu_features import amx_marks
+
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason=str(native.unavailable_reason()))
 # The shrink on AMX tiles (where this CPU has them) and by dpbf16: the same sums but for
@@ -22,9 +24,7 @@ SHRINKS = [
     pytest.param(
         True,
         id="amx",
-        marks=pytest.mark.skipif(
-            kernels is None or not kernels.amx, reason="no AMX tiles on this CPU"
-        ),
+        marks=amx_marks,
     ),
     pytest.param(False, id="dpbf16"),
 ]

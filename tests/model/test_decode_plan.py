@@ -25,6 +25,8 @@ from nbengine.ops.linear import packed_linear_supported
 from nbengine.sampling_params import SamplingParams
 from nbengine.testing import make_tiny_model
 
+from support.cpu_features import amx_only
+
 # Required: a skip is reported loudly, and fails under NBENGINE_REQUIRE_ALL=1 (tests/conftest.py).
 pytestmark = [
     pytest.mark.required,
@@ -309,7 +311,7 @@ def test_with_onednn_twins_large_decode_steps_take_the_module_path(
     assert all(used == (rows < ONEDNN_MIN_ROWS) for rows, used in rows_seen)
 
 
-@pytest.mark.skipif(not getattr(native.kernels(), "amx", False), reason="no AMX tiles on this CPU")
+@amx_only
 @pytest.mark.parametrize("linear", ["auto", "native"])
 def test_with_amx_tiles_large_decode_steps_take_the_module_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linear: str

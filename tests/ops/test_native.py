@@ -24,6 +24,8 @@ from nbengine.ops.linear import NativeLinear, pack_linears
 from nbengine.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_ref
 from nbengine.ops.rotary import RotaryEmbedding, apply_rotary_ref
 
+from support.cpu_features import amx_only
+
 kernels = native.kernels()
 # Required: a skip is reported loudly, and fails under NBENGINE_REQUIRE_ALL=1 (tests/conftest.py).
 pytestmark = [
@@ -76,7 +78,7 @@ def test_linear_row_is_the_same_in_any_batch(n: int, k: int) -> None:
                 assert torch.equal(got[i], one[0]), (m, i, out_dtype)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.amx, reason="no AMX tiles on this CPU")
+@amx_only
 @pytest.mark.parametrize("n,k", [(64, 32), (37, 96), (960, 576), (200, 2048)])
 @pytest.mark.parametrize("out_dtype", [BF16, torch.float32])
 def test_amx_products_of_many_rows(n: int, k: int, out_dtype: torch.dtype) -> None:

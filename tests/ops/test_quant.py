@@ -25,6 +25,8 @@ from nbengine.ops.quant import (
     quantize_linears,
 )
 
+from support.cpu_features import amx_only
+
 BF16 = torch.bfloat16
 kernels = native.kernels()
 # Marks the native-kernel tests: required (a skip is reported loudly; tests/conftest.py).
@@ -175,12 +177,11 @@ def test_native_matches_reference(mode: str, m: int, n: int, k: int, amx: bool) 
 @pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
 @pytest.mark.required
 @needs_native
+@amx_only
 def test_amx_rows_do_not_depend_on_the_batch(mode: str) -> None:
     """On the AMX path a row's product is the same whatever rows share its call: alone in
     a 16-row call, among 70, in another row tile, on one thread or two."""
     assert kernels is not None
-    if not kernels.amx:
-        pytest.skip("no AMX tiles on this CPU")
     w, x = _randn(50, 200, seed=11).to(BF16), _randn(70, 200, seed=12).to(BF16)
     q, s, g = _quantize(w, mode)
     full = kernels.linear_quantized(x, q, s, 200, g, None, torch.float32, num_threads=2)

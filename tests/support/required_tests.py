@@ -9,6 +9,10 @@ Some tests skip where the machine lacks what they need: the browser tests withou
 - a failure instead when the environment variable ``NBENGINE_REQUIRE_ALL`` is ``1``
   (``.ci/run`` sets it: on CI every required test must run).
 
+A test marked ``@pytest.mark.cpu_feature(reason)`` needs a CPU feature that CI's machine
+may lack (AMX tiles; tests/support/cpu_features.py): its skip with exactly that reason is
+an ordinary skip, even in a required suite.
+
 tests/conftest.py loads it; tests/test_required_skips.py runs pytest on a small suite
 with it.
 """
@@ -29,6 +33,10 @@ def _is_required(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(m) is not None for m in REQUIRED_MARKERS)
 
 
+def _skipped_for_a_cpu_feature(item: pytest.Item, reason: str) -> bool:
+    return any(reason == m.args[0] for m in item.iter_markers("cpu_feature") if m.args)
+
+
 def _require_all() -> bool:
     return os.environ.get(REQUIRE_ALL_ENV, "") == "1"
 
@@ -47,6 +55,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "(tests/support/required_tests.py)",
     )
     config.addinivalue_line("markers", "browser: drives JupyterLab in headless Chromium")
+    config.addinivalue_line(
+        "markers",
+        "cpu_feature(reason): needs a CPU feature CI may lack; a skip for that reason is "
+        "ordinary (tests/support/cpu_features.py)",
+    )
     config.stash[_skipped_key] = []
 
 
@@ -58,6 +71,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if not report.skipped or not _is_required(item) or hasattr(report, "wasxfail"):
         return
     reason = _skip_reason(report)
+    if _skipped_for_a_cpu_feature(item, reason):
+        return
     if _require_all():
         report.outcome = "failed"
         report.longrepr = (
