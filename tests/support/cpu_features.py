@@ -22,14 +22,12 @@ HAS_AMX = bool(getattr(native.kernels(), "amx", False))
 
 _Test = TypeVar("_Test", bound=Callable[..., object])
 
+amx_marks = [pytest.mark.cpu_feature(NO_AMX), pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)]
+"""The marks ``amx_only`` applies, for ``pytest.param(..., marks=amx_marks)``."""
+
 
 def amx_only(test: _Test) -> _Test:
     """Skip ``test`` where the CPU has no AMX tiles, and let that skip be ordinary."""
-    marked: _Test = pytest.mark.cpu_feature(NO_AMX)(
-        pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)(test)
-    )
-    return marked
-
-
-amx_marks = [pytest.mark.cpu_feature(NO_AMX), pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)]
-"""The same two marks, for ``pytest.param(..., marks=amx_marks)``."""
+    for mark in amx_marks:
+        test = mark(test)
+    return test
