@@ -1189,7 +1189,8 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * inputs, before they could overflow). Per 32 weights that is one widening load and one
  * vpdpwssd, few enough that one core streams weights at memory speed for a row or two;
  * the cost grows with the rows, so from NB_Q_AMX_ROWS rows on, where AMX tiles are
- * usable, the same integer sums run on AMX int8 tiles (below, nb_linear_q8_amx).
+ * usable, the same integer sums run on AMX int8 tiles (below, nb_linear_q8_amx), and
+ * elsewhere from NB_Q_TILE_ROWS rows on the bf16 tiles described last.
  *
  * Rows of x, int4 weights below NB_Q_TILE_ROWS rows: each group of G inputs is scaled to
  * int8 on its own (x8 = round(x * 127 / max|x| over the group), sx_g = max / 127), and
@@ -1206,13 +1207,18 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * int4 from NB_Q_AMX_ROWS rows on, where AMX tiles are usable: the weights dequantized
  * to bf16 for AMX bf16 tiles (below, nb_linear_q4_amx).
  *
- * int4, many rows without AMX (prefill, M >= NB_Q_TILE_ROWS): each thread dequantizes one tile of 64 output
- * features at a time to bfloat16 in the VNNI layout of nb_linear_bf16, into a buffer of
- * 64 x K values, and runs the bf16 tile kernel on it for every row: the full bf16 weight
- * never exists. Those products see the weights rounded to bfloat16 (as a bf16 model's)
- * and x as it is.
+ * Many rows without AMX (batched decode, prefill: M >= NB_Q_TILE_ROWS), int8 and int4:
+ * each thread dequantizes one tile of 64 output features at a time to bfloat16 in the
+ * VNNI layout of nb_linear_bf16, into a buffer of 64 x K values, and runs the bf16 tile
+ * kernel on it for every row: the full bf16 weight never exists. Those products see the
+ * weights rounded to bfloat16 (as a bf16 model's) and x as it is. The row kernels above
+ * cost in proportion to the rows, the dequantization once per call: on the AMD host
+ * (2026-12-04, two threads, a 16384 x 2048 and a 2048 x 8192 weight) the tiles took
+ * 0.95-1.13x the row kernels' time at 24 rows, 0.92-1.0x at 32, 0.73-0.82x at 64 and
+ * 0.61-0.74x at 512, and 1.0-1.15x the time of an unquantized bf16 product at 64 and 512
+ * rows (docs/quantization.md, "Kernels").
  */
-#define NB_Q_TILE_ROWS 128  /* int4 only */
+#define NB_Q_TILE_ROWS 32
 /* The row kernels below walk four output rows at a time (four short streams, which the
  * hardware prefetcher follows poorly), so they prefetch the block of four rows this many
  * blocks ahead, linearly, while computing the current one. Same A/B as NB_PREFETCH_BYTES,
@@ -1470,20 +1476,57 @@ static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_
     }
 }
 
-/* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout: each
- * row into `row` (Kp values), then its (2p, 2p + 1) pairs are placed. */
-static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64_t N, int64_t K,
-                              int64_t Kp, int64_t G, int64_t t, uint16_t *buf, uint16_t *row) {
-    uint32_t *b32 = (uint32_t *)buf;
-    const uint32_t *r32 = (const uint32_t *)row;
-    for (int64_t j = 0; j < NB_TILE; j++) {
-        const int64_t n = t * NB_TILE + j;
-        if (n >= N) {
-            for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = 0;
-            continue;
+/* The transpose of a 16 x 16 matrix of 32-bit words held one row per register: r[c]
+ * becomes column c (three rounds of in-lane unpacks, then two of 128-bit lane shuffles). */
+static inline void nb_transpose16x16(__m512i r[16]) {
+    __m512i t[16], u[16], v[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) {
+            v[8 * h + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+            v[8 * h + 4 + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
         }
-        nb_q_dequant_row(bits, w, scales, Kp, G, n, row);
-        for (int64_t p = 0; p < K / 2; p++) b32[p * NB_TILE + j] = r32[p];
+    for (int c = 0; c < 8; c++) {
+        r[c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0xdd);
+    }
+}
+
+/* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout, 16
+ * features at a time: their rows into `rows` (NB_Q_TILE_ROW_BUF: 16 rows of Kp values),
+ * then each 16 x 16 block of (2p, 2p + 1) pairs transposed into place. Placing the pairs
+ * one 4-byte store at a time took as long as the products themselves below about 64 rows
+ * of x (2026-12-04, the AMD host: 5.7 ms a 16384 x 2048 weight on two threads). */
+#define NB_Q_TILE_ROW_BUF(Kp) ((size_t)(16 * (Kp) * 2))
+static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64_t N, int64_t K,
+                              int64_t Kp, int64_t G, int64_t t, uint16_t *buf, uint16_t *rows) {
+    uint32_t *b32 = (uint32_t *)buf;
+    const uint32_t *r32 = (const uint32_t *)rows;
+    const int64_t pairs = K / 2, stride = Kp / 2;  /* Kp is even: a multiple of 32 or G */
+    for (int64_t j0 = 0; j0 < NB_TILE; j0 += 16) {
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t n = t * NB_TILE + j0 + i;
+            if (n < N) nb_q_dequant_row(bits, w, scales, Kp, G, n, rows + i * Kp);
+            else memset(rows + i * Kp, 0, (size_t)(K * 2));
+        }
+        int64_t p = 0;
+        for (; p + 16 <= pairs; p += 16) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(r32 + i * stride + p);
+            nb_transpose16x16(r);
+            for (int64_t c = 0; c < 16; c++) _mm512_store_si512(b32 + (p + c) * NB_TILE + j0, r[c]);
+        }
+        for (; p < pairs; p++)
+            for (int64_t i = 0; i < 16; i++) b32[p * NB_TILE + j0 + i] = r32[i * stride + p];
     }
 }
 
@@ -2017,20 +2060,20 @@ static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *
                          G, out_f32, nthreads);
         return;
     }
-    if (bits == 4 && M >= NB_Q_TILE_ROWS && K % 2 == 0) {
+    if (M >= NB_Q_TILE_ROWS && K % 2 == 0) {
         const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE, mtiles = (M + 3) / 4;
 #pragma omp parallel num_threads(nthreads)
         {
             uint16_t *buf = (uint16_t *)aligned_alloc(64, (size_t)(K * NB_TILE * 2));
-            uint16_t *row = (uint16_t *)aligned_alloc(64, (size_t)((Kp * 2 + 63) / 64 * 64));
+            uint16_t *rows = (uint16_t *)aligned_alloc(64, (NB_Q_TILE_ROW_BUF(Kp) + 63) / 64 * 64);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < ntiles; t++) {
-                nb_q_dequant_tile(bits, w, scales, N, K, Kp, G, t, buf, row);
+                nb_q_dequant_tile(bits, w, scales, N, K, Kp, G, t, buf, rows);
                 for (int64_t mt = 0; mt < mtiles; mt++)
                     nb_linear_tile(x, buf, bias, y, M, N, K, out_f32, t, mt);
             }
             free(buf);
-            free(row);
+            free(rows);
         }
         return;
     }
