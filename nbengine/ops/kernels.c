@@ -1476,28 +1476,29 @@ static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_
     }
 }
 
-/* The transpose of a 16 x 16 matrix of 32-bit words held one row per register: r[c]
- * becomes column c (three rounds of in-lane unpacks, then two of 128-bit lane shuffles). */
-static inline void nb_transpose16x16(__m512i r[16]) {
-    __m512i t[16], u[16], v[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+/* 16 vectors of 16 32-bit lanes transposed in place: r[i][j] <-> r[j][i]. */
+static inline void nb_transpose16_epi32(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
     }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    /* b[4g + j], lane L: rows 4g .. 4g + 3, element 4L + j */
+    for (int g = 0; g < 16; g += 4) {
+        b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
+        b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
+        b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
+        b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
     }
-    for (int h = 0; h < 2; h++)
-        for (int c = 0; c < 4; c++) {
-            v[8 * h + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
-            v[8 * h + 4 + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
-        }
-    for (int c = 0; c < 8; c++) {
-        r[c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0xdd);
+    for (int j = 0; j < 4; j++) { /* a 4 x 4 transpose of 128-bit lanes */
+        const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
+        const __m512i c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
     }
 }
 
@@ -1522,7 +1523,7 @@ static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64
         for (; p + 16 <= pairs; p += 16) {
             __m512i r[16];
             for (int64_t i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(r32 + i * stride + p);
-            nb_transpose16x16(r);
+            nb_transpose16_epi32(r);
             for (int64_t c = 0; c < 16; c++) _mm512_store_si512(b32 + (p + c) * NB_TILE + j0, r[c]);
         }
         for (; p < pairs; p++)
@@ -1572,32 +1573,6 @@ void nb_dequantize_bf16(int bits, const void *w, const void *scales, uint16_t *o
  * threads. */
 #define NB_Q_AMX_ROWS 16
 #define NB_Q_AMX_GROUP 4 /* row tiles whose sums stay in tile registers at once */
-
-/* 16 vectors of 16 32-bit lanes transposed in place: r[i][j] <-> r[j][i]. */
-static inline void nb_transpose16_epi32(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 16; i += 2) {
-        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    /* b[4g + j], lane L: rows 4g .. 4g + 3, element 4L + j */
-    for (int g = 0; g < 16; g += 4) {
-        b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
-        b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
-        b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
-        b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
-    }
-    for (int j = 0; j < 4; j++) { /* a 4 x 4 transpose of 128-bit lanes */
-        const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
-        const __m512i c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
-        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
-        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
-        r[j] = _mm512_shuffle_i32x4(c0, c2, 0x88);
-        r[4 + j] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
-        r[8 + j] = _mm512_shuffle_i32x4(c1, c3, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
-    }
-}
 
 /* x [M, K] as B operands: xt [ceil(M / 16), Kp / 2, 16] pairs (uint32), zero past M and
  * K; the block of row tile t and inputs 32 s .. 32 s + 31 is 1 KiB at
