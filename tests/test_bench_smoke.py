@@ -124,6 +124,11 @@ def test_prefix_cache_figures(report: dict) -> None:
 def test_machine_abort_and_targets(report: dict) -> None:
     m = report["machine"]
     assert _positive(m["bandwidth_gb_s"]) and _positive(m["matmul_gflop_s"])
+    # The read reading beside the copy's (docs/benchmarks.md, "The bound"), before and
+    # after the runs, the better one kept, and in the report's machine line.
+    reads = (m["read_bandwidth_gb_s_start"], m["read_bandwidth_gb_s_end"])
+    assert all(_positive(r) for r in reads) and m["read_bandwidth_gb_s"] == max(reads)
+    assert f"(read) {m['read_bandwidth_gb_s']:.1f} GB/s" in format_report(report)
     assert m["load_average_start"] is not None
     assert m["last_level_cache_mib"] == last_level_cache_mib()
     a = report["abort"]

@@ -1,7 +1,8 @@
 """What this machine can do, and the physical lower bound of a workload on it.
 
 ``measure_bandwidth`` copies a tensor far larger than the last-level cache (read +
-write counted); ``measure_matmul_flops`` times a square matmul in the bench dtype.
+write counted); ``measure_read_bandwidth`` only reads one (a sum), as a decode step
+reads its weights; ``measure_matmul_flops`` times a square matmul in the bench dtype.
 ``ModelShape`` gives the bytes and FLOPs of one forward step of a Llama-family model,
 and ``workload_bound`` sums, over the ideal schedule of a workload, per-step
 ``max(bytes moved / bandwidth, FLOPs / FLOP/s)``.
@@ -81,6 +82,17 @@ def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
     dst = torch.empty_like(src)
     t = _best_time(lambda: dst.copy_(src), reps)
     return 2 * n / t
+
+
+def measure_read_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Bytes/s of summing a large float32 tensor (bytes read only), best of ``reps``.
+
+    The bound stays the copy's (``measure_bandwidth``); this reading says how far a
+    weight stream can go past it on this machine: a decode step only reads.
+    """
+    x = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
+    t = _best_time(lambda: x.sum(), reps)
+    return x.numel() * 4 / t
 
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 1536, reps: int = 5) -> float:

@@ -218,7 +218,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"torch threads, OMP_WAIT_POLICY {_wait_policies(cfg)}, a warm-up first",
         f"load average (1, 5, 15 min): {_load(m['load_average_start'])} at the start, "
         f"{_load(m['load_average_end'])} at the end",
-        f"memory bandwidth (copy) {m['bandwidth_gb_s']:.1f} GB/s; matmul "
+        f"memory bandwidth (copy) {m['bandwidth_gb_s']:.1f} GB/s"
+        + (f", (read) {m['read_bandwidth_gb_s']:.1f} GB/s" if m.get("read_bandwidth_gb_s") else "")
+        + "; matmul "
         f"{m['matmul_gflop_s']:.0f} GFLOP/s ({cfg['dtype']}) (the better of the readings before "
         f"and after the runs), "
         f"{m['matmul_gflop_s_float32']:.0f} GFLOP/s (float32)",

@@ -32,6 +32,7 @@ from nbengine.bench.machine import (
     load_average,
     measure_bandwidth,
     measure_matmul_flops,
+    measure_read_bandwidth,
     physical_cores,
     workload_bound,
 )
@@ -187,6 +188,7 @@ class _Run:
         large = self.cfg.measure_large
         self.say(f"machine: load {load_average()}, measuring bandwidth and matmul FLOP/s ...")
         bw = measure_bandwidth(512 if large else 128)
+        read = measure_read_bandwidth(512 if large else 128)
         flops = measure_matmul_flops(self.tdtype, 1536 if large else 512)
         flops_f32 = measure_matmul_flops(torch.float32, 1536 if large else 512)
         return {
@@ -201,6 +203,7 @@ class _Run:
             "torch_threads": self.threads,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # this process's
             "bandwidth_gb_s": bw / 1e9,
+            "read_bandwidth_gb_s": read / 1e9,
             "matmul_gflop_s": flops / 1e9,
             "matmul_gflop_s_float32": flops_f32 / 1e9,
         }
@@ -213,11 +216,16 @@ class _Run:
         self.say("measuring bandwidth and matmul FLOP/s again ...")
         bw, flops = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
         bw_end = measure_bandwidth(512 if large else 128)
+        read = machine.get("read_bandwidth_gb_s", 0.0) * 1e9
+        read_end = measure_read_bandwidth(512 if large else 128)
         flops_end = measure_matmul_flops(self.tdtype, 1536 if large else 512)
         machine.update(
             {
                 "bandwidth_gb_s_start": bw / 1e9,
                 "bandwidth_gb_s_end": bw_end / 1e9,
+                "read_bandwidth_gb_s_start": read / 1e9,
+                "read_bandwidth_gb_s_end": read_end / 1e9,
+                "read_bandwidth_gb_s": max(read, read_end) / 1e9,
                 "matmul_gflop_s_start": flops / 1e9,
                 "matmul_gflop_s_end": flops_end / 1e9,
                 "bandwidth_gb_s": max(bw, bw_end) / 1e9,
