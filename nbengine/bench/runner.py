@@ -186,9 +186,10 @@ class _Run:
         import transformers
 
         large = self.cfg.measure_large
+        mib = 512 if large else 128
         self.say(f"machine: load {load_average()}, measuring bandwidth and matmul FLOP/s ...")
-        bw = measure_bandwidth(512 if large else 128)
-        read = measure_read_bandwidth(512 if large else 128)
+        bw = measure_bandwidth(mib)
+        read = measure_read_bandwidth(mib)
         flops = measure_matmul_flops(self.tdtype, 1536 if large else 512)
         flops_f32 = measure_matmul_flops(torch.float32, 1536 if large else 512)
         return {
@@ -215,9 +216,10 @@ class _Run:
         large = self.cfg.measure_large
         self.say("measuring bandwidth and matmul FLOP/s again ...")
         bw, flops = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
-        bw_end = measure_bandwidth(512 if large else 128)
-        read = machine.get("read_bandwidth_gb_s", 0.0) * 1e9
-        read_end = measure_read_bandwidth(512 if large else 128)
+        read = machine["read_bandwidth_gb_s"] * 1e9
+        mib = 512 if large else 128
+        bw_end = measure_bandwidth(mib)
+        read_end = measure_read_bandwidth(mib)
         flops_end = measure_matmul_flops(self.tdtype, 1536 if large else 512)
         machine.update(
             {
