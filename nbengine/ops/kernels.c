@@ -1188,7 +1188,8 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * float32: y = sx * scale[n] * sum_k q xq (int32 lanes flushed to float32 every 2048
  * inputs, before they could overflow). Per 32 weights that is one widening load and one
  * vpdpwssd, few enough that one core streams weights at memory speed for a row or two;
- * the cost grows with the rows, so from NB_Q_AMX_ROWS rows on, where AMX tiles are
+ * with more rows each widened weight serves four rows of x, one vpdpwssd per row. The
+ * cost grows with the rows, so from NB_Q_AMX_ROWS rows on, where AMX tiles are
  * usable, the same integer sums run on AMX int8 tiles (below, nb_linear_q8_amx), and
  * elsewhere from NB_Q_TILE_ROWS rows on the bf16 tiles described last.
  *
@@ -1345,55 +1346,152 @@ static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias
     else ((uint16_t *)y)[off] = nb_f32_to_bf16(v);
 }
 
-/* int8, output rows [n0, n0 + 4) (fewer at the end: n1), every input row. */
-static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
-                       const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
-                       int out_f32, int64_t n0, int64_t n1) {
-    const int8_t *wr[4];
-    for (int i = 0; i < 4; i++) wr[i] = w + (n0 + i < n1 ? n0 + i : n1 - 1) * Kp;
-    const char *pf = (const char *)(w + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * Kp);
-    for (int64_t m = 0; m < M; m++) {
-        const int16_t *xr = in->xq + m * Kp;
-        __m512 accf[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                          _mm512_setzero_ps()};
-        for (int64_t k0 = 0; k0 < Kp; k0 += 32 * NB_Q8_FLUSH) {
-            const int64_t k1 = k0 + 32 * NB_Q8_FLUSH < Kp ? k0 + 32 * NB_Q8_FLUSH : Kp;
-            __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
-                              _mm512_setzero_si512(), _mm512_setzero_si512()};
-            for (int64_t k = k0; k < k1; k += 32) {
-                const __m512i xv = _mm512_load_si512(xr + k);
-                if (m == 0) {
-                    _mm_prefetch(pf + 4 * k, NB_STREAM_HINT);
-                    _mm_prefetch(pf + 4 * k + 64, NB_STREAM_HINT);
-                }
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
-                    const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[i] + k)));
-                    acc[i] = _mm512_dpwssd_epi32(acc[i], q, xv);
-                }
+/* int8, output rows [n0, n0 + 4) (fewer at the end: n1), input rows [m0, m0 + MB).
+ *
+ * The four weight rows are widened to int16 once per 32 inputs for all MB rows of x, so
+ * each further row of x costs one vpdpwssd per weight row and 32 inputs: against a
+ * widening per row as well, 12-31 rows (batched decode) went from slower than the bf16
+ * tiles to faster (docs/quantization.md, "Kernels"). Each row's sums are those of MB = 1:
+ * the same lanes flushed to float32 at the same inputs, in the same order. */
+static inline __attribute__((always_inline)) void nb_q8_rows_mb(
+    const nb_qx *in, const int8_t *const wr[4], const char *pf, const float *scales,
+    const uint16_t *bias, void *y, int64_t N, int64_t Kp, int out_f32, int64_t n0, int64_t n1,
+    int64_t m0, const int MB) {
+    __m512 accf[4][4];
+    for (int r = 0; r < MB; r++)
+        for (int i = 0; i < 4; i++) accf[r][i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < Kp; k0 += 32 * NB_Q8_FLUSH) {
+        const int64_t k1 = k0 + 32 * NB_Q8_FLUSH < Kp ? k0 + 32 * NB_Q8_FLUSH : Kp;
+        __m512i acc[4][4];
+        for (int r = 0; r < MB; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k += 32) {
+            if (pf) {
+                _mm_prefetch(pf + 4 * k, NB_STREAM_HINT);
+                _mm_prefetch(pf + 4 * k + 64, NB_STREAM_HINT);
             }
-            for (int i = 0; i < 4; i++) accf[i] = _mm512_add_ps(accf[i], _mm512_cvtepi32_ps(acc[i]));
+            __m512i q[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[i] + k)));
+#pragma GCC unroll 4
+            for (int r = 0; r < MB; r++) {
+                const __m512i xv = _mm512_load_si512(in->xq + (m0 + r) * Kp + k);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) acc[r][i] = _mm512_dpwssd_epi32(acc[r][i], q[i], xv);
+            }
         }
+        for (int r = 0; r < MB; r++)
+            for (int i = 0; i < 4; i++) accf[r][i] = _mm512_add_ps(accf[r][i], _mm512_cvtepi32_ps(acc[r][i]));
+    }
+    for (int r = 0; r < MB; r++) {
+        const int64_t m = m0 + r;
         float sums[4];
-        _mm_storeu_ps(sums, nb_sum4x16(accf));
+        _mm_storeu_ps(sums, nb_sum4x16(accf[r]));
         for (int i = 0; i < 4 && n0 + i < n1; i++)
             nb_store1(y, m * N + n0 + i, sums[i] * (scales[n0 + i] * in->sx[m]), bias, n0 + i, out_f32);
     }
 }
 
-/* int4, output rows [n0, n0 + 4) (fewer at the end: n1), every input row.
+/* int8, output rows [n0, n0 + 4) (fewer at the end: n1), every input row: four rows of
+ * x at a time. */
+static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
+                       const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
+                       int out_f32, int64_t n0, int64_t n1) {
+    const int8_t *wr[4];
+    for (int i = 0; i < 4; i++) wr[i] = w + (n0 + i < n1 ? n0 + i : n1 - 1) * Kp;
+    /* The first pass over the four rows prefetches the next blocks' (NB_Q_PREFETCH_BLOCKS). */
+    const char *pf = (const char *)(w + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * Kp);
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4, pf = 0)
+        nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 4);
+    switch (M - m0) {
+    case 3: nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 3); break;
+    case 2: nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 2); break;
+    case 1: nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 1); break;
+    default: break;
+    }
+}
+
+/* int4, output rows [n0, n0 + 4) (fewer at the end: n1), input rows [m0, m0 + MB).
  *
  * Per 64 weight bytes (128 weights) of a row: the nibbles split with two ANDs and a
- * shift, two vpdpbusd (64 unsigned-by-signed byte products each) against the chunk's lo
- * and hi inputs, and one FMA that scales the 16 int32 lanes, each a partial sum inside
- * one group, by s_g * sx_g. Eight groups' (s, z) pairs are converted and multiplied by
- * the inputs' (sx_g, sx_g * sum x8) at once: the scales for the lanes (one permute per
- * chunk), and the zeros' term z_g * sx_g * sum x8 summed on the odd lanes. */
+ * shift (once for all MB rows of x), two vpdpbusd (64 unsigned-by-signed byte products
+ * each) against the chunk's lo and hi inputs, and one FMA that scales the 16 int32
+ * lanes, each a partial sum inside one group, by s_g * sx_g. Eight groups' (s, z) pairs
+ * are converted once and multiplied by each row's (sx_g, sx_g * sum x8): the scales for
+ * the lanes (permuted per chunk: the weights' and the row's factors apart, the same
+ * products), and the zeros' term z_g * sx_g * sum x8 summed on the odd lanes. Each
+ * row's sums are those of MB = 1, in the same order. */
+static inline __attribute__((always_inline)) void nb_q4_rows_mb(
+    const nb_qx *in, const uint8_t *const wr[4], const uint16_t *const sr[4], const char *pf,
+    const char *pfs, const uint16_t *bias, void *y, int64_t N, int64_t Kp, int64_t G,
+    int out_f32, int64_t n0, int64_t n1, int64_t m0, const int MB) {
+    const int64_t ng = Kp / G, half = G / 2;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    __m512 acc[2][4], zacc[2][4];  /* MB <= 2 */
+    for (int r = 0; r < MB; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = zacc[r][i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += 8) {  /* a window of eight groups */
+        const int64_t cnt = ng - g0 < 8 ? ng - g0 : 8;
+        const __mmask16 mk = (__mmask16)((1u << (2 * cnt)) - 1);
+        __m512 ws[4], v[2];
+        for (int i = 0; i < 4; i++) ws[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, sr[i] + g0 * 2));
+        for (int r = 0; r < MB; r++) {
+            v[r] = _mm512_load_ps(in->xv + (m0 + r) * in->ng2 + 2 * g0);
+            for (int i = 0; i < 4; i++)
+                zacc[r][i] = _mm512_mask_add_ps(zacc[r][i], (__mmask16)0xAAAA, zacc[r][i], _mm512_mul_ps(ws[i], v[r]));
+        }
+        if (pfs) {  /* the scales 4 row blocks ahead: 4 rows x 8 groups x 4 bytes */
+            _mm_prefetch(pfs + 4 * g0 * 4, NB_STREAM_HINT);
+            _mm_prefetch(pfs + 4 * g0 * 4 + 64, NB_STREAM_HINT);
+        }
+        const int64_t start = g0 * half, end = (g0 + cnt) * half;
+        for (int64_t off = start, p = 0; off < end; off += 64, p++) {
+            const __mmask64 wm = end - off >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (end - off)) - 1);
+            const __m512i lane = _mm512_load_si512(in->lanes + 16 * p);
+            if (pf) {  /* the same 64 bytes of the four rows 4 row blocks ahead */
+                for (int c = 0; c < 4; c++) _mm_prefetch(pf + 4 * off + 64 * c, NB_STREAM_HINT);
+            }
+            __m512i lo[4], hi[4];
+            __m512 wl[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m512i b = _mm512_maskz_loadu_epi8(wm, wr[i] + off);
+                lo[i] = _mm512_and_si512(b, low4);
+                hi[i] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+                wl[i] = _mm512_permutexvar_ps(lane, ws[i]);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < MB; r++) {
+                const int8_t *xr = in->x8 + (m0 + r) * in->kc;
+                const __m512i xlo = _mm512_load_si512(xr + 2 * off);
+                const __m512i xhi = _mm512_load_si512(xr + 2 * off + 64);
+                const __m512 xl = _mm512_permutexvar_ps(lane, v[r]);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xlo);
+                    t = _mm512_dpbusd_epi32(t, hi[i], xhi);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(wl[i], xl), acc[r][i]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < MB; r++) {
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_add_ps(acc[r][i], zacc[r][i]);
+        float sums[4];
+        _mm_storeu_ps(sums, nb_sum4x16(acc[r]));
+        for (int i = 0; i < 4 && n0 + i < n1; i++)
+            nb_store1(y, (m0 + r) * N + n0 + i, sums[i], bias, n0 + i, out_f32);
+    }
+}
+
+/* int4, output rows [n0, n0 + 4) (fewer at the end: n1), every input row: two rows of
+ * x at a time (four spilled registers and ran slower at 16-32 rows). */
 static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
                        const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
                        int64_t G, int out_f32, int64_t n0, int64_t n1) {
-    const int64_t ng = Kp / G, half = G / 2, rowb = Kp / 2;
-    const __m512i low4 = _mm512_set1_epi8(15);
+    const int64_t ng = Kp / G, rowb = Kp / 2;
     const uint8_t *wr[4];
     const uint16_t *sr[4];
     for (int i = 0; i < 4; i++) {
@@ -1401,49 +1499,14 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
         wr[i] = w + n * rowb;
         sr[i] = sz + n * ng * 2;
     }
+    /* The first pass over the four rows prefetches the next blocks' (NB_Q_PREFETCH_BLOCKS). */
     const char *pf = (const char *)(w + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * rowb);
     const char *pfs = (const char *)(sz + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * ng * 2);
-    for (int64_t m = 0; m < M; m++) {
-        const int8_t *xr = in->x8 + m * in->kc;
-        const float *xv = in->xv + m * in->ng2;
-        __m512 acc[4], zacc[4];
-        for (int i = 0; i < 4; i++) acc[i] = zacc[i] = _mm512_setzero_ps();
-        for (int64_t g0 = 0; g0 < ng; g0 += 8) {  /* a window of eight groups */
-            const int64_t cnt = ng - g0 < 8 ? ng - g0 : 8;
-            const __mmask16 mk = (__mmask16)((1u << (2 * cnt)) - 1);
-            const __m512 v = _mm512_load_ps(xv + 2 * g0);
-            __m512 sc[4];
-            for (int i = 0; i < 4; i++) {
-                sc[i] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, sr[i] + g0 * 2)), v);
-                zacc[i] = _mm512_mask_add_ps(zacc[i], (__mmask16)0xAAAA, zacc[i], sc[i]);
-            }
-            if (m == 0) {  /* the scales 4 row blocks ahead: 4 rows x 8 groups x 4 bytes */
-                _mm_prefetch(pfs + 4 * g0 * 4, NB_STREAM_HINT);
-                _mm_prefetch(pfs + 4 * g0 * 4 + 64, NB_STREAM_HINT);
-            }
-            const int64_t start = g0 * half, end = (g0 + cnt) * half;
-            for (int64_t off = start, p = 0; off < end; off += 64, p++) {
-                const __mmask64 wm = end - off >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (end - off)) - 1);
-                const __m512i xlo = _mm512_load_si512(xr + 2 * off);
-                const __m512i xhi = _mm512_load_si512(xr + 2 * off + 64);
-                const __m512i lane = _mm512_load_si512(in->lanes + 16 * p);
-                if (m == 0) {  /* the same 64 bytes of the four rows 4 row blocks ahead */
-                    for (int c = 0; c < 4; c++) _mm_prefetch(pf + 4 * off + 64 * c, NB_STREAM_HINT);
-                }
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
-                    const __m512i b = _mm512_maskz_loadu_epi8(wm, wr[i] + off);
-                    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(b, low4), xlo);
-                    s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4), xhi);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(lane, sc[i]), acc[i]);
-                }
-            }
-        }
-        for (int i = 0; i < 4; i++) acc[i] = _mm512_add_ps(acc[i], zacc[i]);
-        float sums[4];
-        _mm_storeu_ps(sums, nb_sum4x16(acc));
-        for (int i = 0; i < 4 && n0 + i < n1; i++) nb_store1(y, m * N + n0 + i, sums[i], bias, n0 + i, out_f32);
-    }
+    int64_t m0 = 0;
+    for (; m0 + 2 <= M; m0 += 2, pf = pfs = 0)
+        nb_q4_rows_mb(in, wr, sr, pf, pfs, bias, y, N, Kp, G, out_f32, n0, n1, m0, 2);
+    if (m0 < M)
+        nb_q4_rows_mb(in, wr, sr, pf, pfs, bias, y, N, Kp, G, out_f32, n0, n1, m0, 1);
 }
 
 /* Dequantize weight row n to bf16 into `row` (Kp values; float32 arithmetic as

@@ -191,6 +191,26 @@ def test_amx_rows_do_not_depend_on_the_batch(mode: str) -> None:
         assert torch.equal(part, full[lo:hi]), (lo, hi)
 
 
+@pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
+@pytest.mark.required
+@needs_native
+def test_row_kernel_rows_do_not_depend_on_the_batch(mode: str) -> None:
+    """Below TILE_ROWS (batched decode without AMX) the row kernels take rows of x
+    several at a time; a row's product is bit for bit the same whatever rows share its
+    call and wherever it falls in that call's blocks (K = 4100: past int8's int32 flush,
+    with a tail)."""
+    assert kernels is not None
+    w, x = _randn(37, 4100, seed=15).to(BF16), _randn(TILE_ROWS - 1, 4100, seed=16).to(BF16)
+    q, s, g = _quantize(w, mode)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return kernels.linear_quantized(rows, q, s, 4100, g, None, torch.float32, amx=False)
+
+    full = product(x)
+    for lo, hi in [(0, 1), (5, 6), (1, 4), (3, 10), (2, 29), (30, 31)]:
+        assert torch.equal(product(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
+
+
 @pytest.mark.required
 @needs_native
 def test_int8_amx_keeps_the_row_kernels_int16_sums() -> None:
