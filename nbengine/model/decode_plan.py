@@ -24,8 +24,9 @@ Threads: with one or two sequences, the kernel splits every weight stream betwee
 threads of one parallel region (one core cannot read memory at full speed). That is
 about a third faster on an idle machine and twice as slow when another process holds
 the second core, so ``ThreadChooser`` times both and keeps the faster (by the mean of
-its recent steps without the slowest), re-trying the other now and then. Both give the
-same values (each output is computed by one thread alone).
+its recent steps without the slowest), re-trying one thread when the team's steps slow
+down and the team now and then. Both give the same values (each output is computed by
+one thread alone).
 """
 
 from __future__ import annotations
@@ -112,11 +113,23 @@ class ThreadChooser:
     pool's start) cannot turn the choice, and neither can the scattered slow steps of a
     two-thread plan whose spinning partner lost its core for a moment to another thread
     of this process, as long as its steps stay faster on average. Both choices are timed
-    ``min_samples`` times before either is preferred; after that the slower one is
-    re-timed (probed) in case the machine changed: ``first_probe`` calls after the choice
-    turned, then at twice the previous distance after each probe that changed nothing, up
-    to every ``probe_every`` calls. So a choice made during a busy spell of a few hundred
-    milliseconds is undone soon after it, and a lasting one costs a probe in 64 steps.
+    ``min_samples`` times before either is preferred. After that the other choice is
+    re-timed now and then (probed) in case the machine changed, and how often depends on
+    which one is kept, because a probe costs a step at the slower choice's speed:
+
+    - **One thread kept.** Its steps do not show when the team would be faster again (a
+      core that another process frees does not speed up one thread), so the team is
+      probed on a schedule: ``first_probe`` calls after the choice turned, then at twice
+      the previous distance after each probe that changed nothing, up to every
+      ``probe_every`` calls. So a choice made during a busy spell of a few hundred
+      milliseconds is undone soon after it, and a lasting one costs a probe in 64 steps.
+    - **The team kept.** Its own steps show what would make one thread faster: a core
+      lost to another process slows every team step (the partner spins at the barriers
+      while it waits). So one thread is probed as soon as the team's score has grown to
+      ``drift`` times its score when it was last chosen or confirmed, and otherwise only
+      every ``team_probe_every`` calls. On an idle machine a one-thread probe takes twice
+      a team step, and the schedule above probed five times in a 256-token W2 (about 2%
+      of its time, and all of its slowest steps; docs/benchmarks.md, "Per-step overhead").
 
     (An exponential average of all timings, the first version, let one slow step keep a
     two-thread plan on one thread for hundreds of steps; the median of five, the second,
@@ -126,12 +139,22 @@ class ThreadChooser:
     """
 
     def __init__(
-        self, probe_every: int = 64, window: int = 8, min_samples: int = 3, first_probe: int = 8
+        self,
+        probe_every: int = 64,
+        window: int = 8,
+        min_samples: int = 3,
+        first_probe: int = 8,
+        team_probe_every: int = 1024,
+        drift: float = 1.2,
     ) -> None:
         if not 2 <= min_samples <= window:
             raise ValueError(f"min_samples must be in 2..window, got {min_samples}")
+        if drift <= 1.0:
+            raise ValueError(f"drift must be above 1, got {drift}")
         self.probe_every = probe_every
         self.first_probe = min(first_probe, probe_every)
+        self.team_probe_every = team_probe_every
+        self.drift = drift
         self._distance = self.first_probe  # calls from one probe to the next
         self._next_probe = 0  # the call that probes next, once a choice is kept
         self.min_samples = min_samples
@@ -140,6 +163,7 @@ class ThreadChooser:
         self.calls = 0
         self._kept = 0  # the faster choice by the scores; 0 while both are being timed
         self._probe_again = False
+        self._reference = 0.0  # the team's score when last chosen or confirmed
 
     def choose(self, n: int) -> int:
         if n <= 1:
@@ -154,6 +178,8 @@ class ThreadChooser:
         other = 1 if self._kept == n else n
         if self._probe_again:
             return other
+        if self._kept == n and _score(self.samples[n]) > self.drift * self._reference:
+            return other  # the team slowed down: has one thread become faster?
         if self.calls >= self._next_probe:
             self._next_probe = self.calls + self._distance
             return other
@@ -170,7 +196,11 @@ class ThreadChooser:
         # A probe faster than the kept choice's score is repeated at once: after a busy
         # spell the choice turns back within a few steps instead of a few probes' worth.
         self._probe_again = probing and threads != kept and seconds < _score(self.samples[kept])
-        if kept != before:  # a new choice (or the first): probe soon
+        if kept > 1 and (kept != before or (probing and not self._probe_again)):
+            # The team chosen or confirmed: its score now is what later steps are held to.
+            self._reference = _score(self.samples[kept])
+            self._next_probe = self.calls + self.team_probe_every
+        elif kept != before:  # one thread chosen (or the first choice): probe soon
             self._distance = self.first_probe
             self._next_probe = self.calls + self._distance
         elif probing and not self._probe_again:  # a probe that changed nothing: back off

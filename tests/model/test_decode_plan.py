@@ -170,7 +170,7 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
     from nbengine.model.decode_plan import ThreadChooser
 
     times = {2: 0.0025, 1: 0.0038}  # two threads faster, as on an idle machine
-    chooser = ThreadChooser(probe_every=4, window=5, min_samples=3)
+    chooser = ThreadChooser(probe_every=4, window=5, min_samples=3, team_probe_every=1000)
     assert chooser.choose(1) == 1  # nothing to choose on one thread
     first = []
     for i in range(6):
@@ -179,54 +179,76 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
         # the very first two-thread step is slow (the pool's start): it must not count
         chooser.record(k, 0.050 if i == 0 else times[k])
     assert sorted(first) == [1, 1, 1, 2, 2, 2], "both are timed before either is preferred"
-    picks = []
-    for _ in range(8):
-        k = chooser.choose(2)
-        picks.append(k)
-        chooser.record(k, times[k])
-    assert picks.count(2) == 6 and picks.count(1) == 2, picks  # the slower one probed
 
-    # One slow two-thread step (another thread took a core for a moment) turns nothing.
+    def run(calls: int, two: float, one: float = times[1]) -> list[int]:
+        picks = []
+        for _ in range(calls):
+            k = chooser.choose(2)
+            picks.append(k)
+            chooser.record(k, two if k == 2 else one)
+        return picks
+
+    # The team kept at a steady speed: one thread is not re-timed (each probe would cost
+    # a step at its speed).
+    assert run(200, times[2]) == [2] * 200
+
+    # One slow two-thread step (another thread took a core for a moment) turns nothing
+    # and probes nothing.
     chooser.record(2, 0.020)
-    picks = [chooser.choose(2) for _ in range(4)]
-    assert picks.count(2) == 3, picks  # (and one probe of the other)
+    assert run(4, times[2]) == [2] * 4
 
     # Scattered slow two-thread steps (its spinning partner lost its core for a moment to
-    # the engine's other threads), three in five but faster than one thread on average,
+    # the engine's other threads), two in five but faster than one thread on average,
     # turn nothing either.
-    for seconds in (0.0045, 0.0025, 0.0045, 0.0045, 0.0025):
+    for seconds in (0.0045, 0.0025, 0.0045, 0.0025, 0.0025):
         chooser.record(2, seconds)
-    picks = [chooser.choose(2) for _ in range(4)]
-    assert picks.count(2) == 3, picks
+    assert run(4, times[2]).count(2) >= 3
 
-    # A lasting change (another process holds the second core) turns the choice.
-    for _ in range(3):
-        chooser.record(2, 0.008)
-    picks = []
-    for _ in range(8):
-        k = chooser.choose(2)
-        picks.append(k)
-        chooser.record(k, 0.008 if k == 2 else times[1])
-    assert picks.count(1) == 6, picks
+    # A lasting change (another process holds the second core): the team's steps slow
+    # down, one thread is probed at once, and the choice turns.
+    picks = run(8, 0.008)
+    assert picks.index(1) <= 3 and picks[-4:].count(1) >= 3, picks  # (one may be a probe)
 
-    # Quiet again: the first probe that beats the kept choice is repeated at once, so
-    # two threads are back after three steps, not three probes apart.
-    picks = []
-    for _ in range(8):
-        k = chooser.choose(2)
-        picks.append(k)
-        chooser.record(k, times[k])
+    # One thread kept: the team is probed on a schedule (one thread's steps cannot show
+    # that the core is free again), and the first probe that beats the kept choice is
+    # repeated at once, so two threads are back after a few steps, not a few probes apart.
+    picks = run(8, times[2])
     first_probe = picks.index(2)
     assert first_probe < 4, picks  # probed within probe_every calls
     assert picks[first_probe : first_probe + 5] == [2, 2, 2, 2, 2], picks
 
 
-def test_thread_chooser_probes_soon_after_a_turn_and_backs_off() -> None:
+def test_thread_chooser_probes_one_thread_only_when_the_team_slows_down() -> None:
+    from nbengine.model.decode_plan import ThreadChooser
+
+    chooser = ThreadChooser(window=5, min_samples=3, team_probe_every=100, drift=1.2)
+
+    def run(calls: int, two: float, one: float = 0.0060) -> list[int]:
+        picks = []
+        for _ in range(calls):
+            k = chooser.choose(2)
+            picks.append(k)
+            chooser.record(k, two if k == 2 else one)
+        return picks
+
+    picks = run(6 + 250, 0.0025)[6:]  # both timed, then two threads kept
+    probes = [i for i, k in enumerate(picks) if k == 1]
+    assert len(probes) == 2 and probes[1] - probes[0] in (100, 101), probes  # every 100 calls
+
+    # Steps growing slowly (a longer context): the team is re-confirmed each time its score
+    # has grown by a fifth, and each confirmation resets what later steps are held to.
+    picks = run(60, 0.0031) + run(60, 0.0039)
+    assert picks.count(1) == 2, picks
+    assert picks[:5] == [2] * 5  # the first steps at the new speed do not trigger a probe
+    assert picks.index(1) < 6 and picks[60:].index(1) < 6, picks
+
+
+def test_thread_chooser_probes_soon_after_a_turn_to_one_thread_and_backs_off() -> None:
     from nbengine.model.decode_plan import ThreadChooser
 
     chooser = ThreadChooser(probe_every=64, window=5, min_samples=3, first_probe=8)
-    quiet = {2: 0.0025, 1: 0.0038}
     busy = {2: 0.0080, 1: 0.0038}  # another process holds the second core
+    quiet = {2: 0.0025, 1: 0.0038}
 
     def run(calls: int, times: dict[int, float]) -> list[int]:
         picks = []
@@ -236,14 +258,15 @@ def test_thread_chooser_probes_soon_after_a_turn_and_backs_off() -> None:
             chooser.record(k, times[k])
         return picks
 
-    picks = run(6 + 200, quiet)[6:]  # both timed, then two threads kept
-    probes = [i for i, k in enumerate(picks) if k == 1]
+    picks = run(6 + 200, busy)[6:]  # both timed, then one thread kept
+    probes = [i for i, k in enumerate(picks) if k == 2]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[:3] == [16, 32, 64] and set(gaps[3:]) == {64}, probes  # 8, 16, 32, 64, 64...
 
-    # A busy spell of a dozen steps turns the choice to one thread. Probes that fail
-    # during it double their distance from first_probe, so once it is over the next one
-    # comes about a spell's length later, not probe_every calls, and turns it back.
+    # A quiet spell of a dozen steps after a short busy one: probes that failed during
+    # the busy spell doubled their distance from first_probe, so the next one comes about
+    # a spell's length later, not probe_every calls, and turns the choice back.
+    run(30, quiet)
     assert run(12, busy)[-6:].count(1) >= 5  # (one of them may be a probe)
     picks = run(40, quiet)
     assert picks.index(2) <= 16 and picks[-8:] == [2] * 8, picks
