@@ -112,10 +112,14 @@ class ThreadChooser:
     the slowest one: one slow step (a first call that pays for page faults and the thread
     pool's start) cannot turn the choice, and neither can the scattered slow steps of a
     two-thread plan whose spinning partner lost its core for a moment to another thread
-    of this process, as long as its steps stay faster on average. Both choices are timed
-    ``min_samples`` times before either is preferred. After that the other choice is
-    re-timed now and then (probed) in case the machine changed, and how often depends on
-    which one is kept, because a probe costs a step at the slower choice's speed:
+    of this process, as long as its steps stay faster on average. The team is timed
+    ``min_samples`` times first, then one thread: a first one-thread step slower than
+    ``drift`` times the team's score keeps the team at once (on an idle machine it takes
+    about twice as long: a fresh engine's first decode then pays for one such step, not
+    ``min_samples``), and otherwise both are timed ``min_samples`` times before either is
+    preferred. After that the other choice is re-timed now and then (probed) in case the
+    machine changed, and how often depends on which one is kept, because a probe costs a
+    step at the slower choice's speed:
 
     - **One thread kept.** Its steps do not show when the team would be faster again (a
       core that another process frees does not speed up one thread), so the team is
@@ -172,24 +176,30 @@ class ThreadChooser:
         if self._kept not in (0, 1, n):  # the thread count changed: time both again
             self.samples.clear()
             self._kept = 0
-        if not self._kept:  # still timing both: alternate
-            counts = {k: len(self.samples.get(k, ())) for k in (n, 1)}
-            return n if counts[n] <= counts[1] else 1
+        if not self._kept:  # still timing: the team first, then one thread
+            return n if len(self.samples.get(n, ())) < self.min_samples else 1
         other = 1 if self._kept == n else n
         if self._probe_again:
             return other
         if self._kept == n and _score(self.samples[n]) > self.drift * self._reference:
             return other  # the team slowed down: has one thread become faster?
         if self.calls >= self._next_probe:
-            self._next_probe = self.calls + self._distance
+            distance = self.team_probe_every if self._kept == n else self._distance
+            self._next_probe = self.calls + distance
             return other
         return self._kept
 
     def record(self, threads: int, seconds: float) -> None:
         samples = self.samples.setdefault(threads, deque(maxlen=self.window))
         samples.append(seconds)
-        if len(self.samples) < 2 or min(map(len, self.samples.values())) < self.min_samples:
+        if len(self.samples) < 2:
             return
+        if not self._kept and min(map(len, self.samples.values())) < self.min_samples:
+            team = max(self.samples)
+            if len(self.samples[team]) < self.min_samples or min(
+                self.samples[1]
+            ) <= self.drift * _score(self.samples[team]):
+                return  # not yet: one thread is not clearly slower
         before = self._kept
         probing = bool(before) and threads != before
         self._kept = kept = min(self.samples, key=lambda k: _score(self.samples[k]))
@@ -209,7 +219,9 @@ class ThreadChooser:
 
 
 def _score(values: deque[float]) -> float:
-    """The mean without the largest value (at least two values)."""
+    """The mean without the largest value (the value itself when there is one)."""
+    if len(values) == 1:
+        return values[0]
     return (sum(values) - max(values)) / (len(values) - 1)
 
 
