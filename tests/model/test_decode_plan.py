@@ -19,6 +19,7 @@ import torch
 from nbengine.config import EngineConfig
 from nbengine.core.engine_core import EngineCore
 from nbengine.core.messages import EngineCoreRequest
+from nbengine.model.decode_plan import ThreadChooser
 from nbengine.model.runner import ModelRunner
 from nbengine.ops import native
 from nbengine.ops.linear import packed_linear_supported
@@ -166,9 +167,18 @@ def test_sliding_window_model_decodes_through_the_plan(tmp_path: Path) -> None:
     assert sum(map(len, results[0].values())) == 48 and results[0] == results[1]
 
 
-def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
-    from nbengine.model.decode_plan import ThreadChooser
+def _drive(chooser: ThreadChooser, calls: int, seconds: dict[int, float]) -> list[int]:
+    """``calls`` decode steps through ``chooser`` on two threads, a step on ``k`` threads
+    taking ``seconds[k]``: the thread counts it picked."""
+    picks = []
+    for _ in range(calls):
+        k = chooser.choose(2)
+        picks.append(k)
+        chooser.record(k, seconds[k])
+    return picks
 
+
+def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
     times = {2: 0.0025, 1: 0.0038}  # two threads faster, as on an idle machine
     chooser = ThreadChooser(probe_every=4, window=5, min_samples=3, team_probe_every=1000)
     assert chooser.choose(1) == 1  # nothing to choose on one thread
@@ -181,13 +191,8 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
     # The team is timed first; one thread's first step, 1.5x the team's, keeps the team.
     assert first == [2, 2, 2, 1], first
 
-    def run(calls: int, two: float, one: float = times[1]) -> list[int]:
-        picks = []
-        for _ in range(calls):
-            k = chooser.choose(2)
-            picks.append(k)
-            chooser.record(k, two if k == 2 else one)
-        return picks
+    def run(calls: int, two: float) -> list[int]:
+        return _drive(chooser, calls, {2: two, 1: times[1]})
 
     # The team kept at a steady speed: one thread is not re-timed (each probe would cost
     # a step at its speed).
@@ -225,31 +230,18 @@ def test_thread_chooser_keeps_the_faster_and_probes_the_other() -> None:
 def test_thread_chooser_times_both_fully_unless_one_thread_is_clearly_slower(
     one: float, kept: int
 ) -> None:
-    from nbengine.model.decode_plan import ThreadChooser
-
     chooser = ThreadChooser(window=5, min_samples=3, drift=1.2)
-    picks = []
-    for _ in range(12):
-        k = chooser.choose(2)
-        picks.append(k)
-        chooser.record(k, 0.0025 if k == 2 else one)
+    picks = _drive(chooser, 12, {2: 0.0025, 1: one})
     # 1.12x and 0.88x the team's time: not clear at once, so three steps of each.
     assert picks[:6] == [2, 2, 2, 1, 1, 1], picks
     assert picks[6:].count(kept) >= 5, picks
 
 
 def test_thread_chooser_probes_one_thread_only_when_the_team_slows_down() -> None:
-    from nbengine.model.decode_plan import ThreadChooser
-
     chooser = ThreadChooser(window=5, min_samples=3, team_probe_every=100, drift=1.2)
 
-    def run(calls: int, two: float, one: float = 0.0060) -> list[int]:
-        picks = []
-        for _ in range(calls):
-            k = chooser.choose(2)
-            picks.append(k)
-            chooser.record(k, two if k == 2 else one)
-        return picks
+    def run(calls: int, two: float) -> list[int]:
+        return _drive(chooser, calls, {2: two, 1: 0.0060})
 
     picks = run(6 + 250, 0.0025)[6:]  # both timed, then two threads kept
     probes = [i for i, k in enumerate(picks) if k == 1]
@@ -264,19 +256,12 @@ def test_thread_chooser_probes_one_thread_only_when_the_team_slows_down() -> Non
 
 
 def test_thread_chooser_probes_soon_after_a_turn_to_one_thread_and_backs_off() -> None:
-    from nbengine.model.decode_plan import ThreadChooser
-
     chooser = ThreadChooser(probe_every=64, window=5, min_samples=3, first_probe=8)
     busy = {2: 0.0080, 1: 0.0038}  # another process holds the second core
     quiet = {2: 0.0025, 1: 0.0038}
 
     def run(calls: int, times: dict[int, float]) -> list[int]:
-        picks = []
-        for _ in range(calls):
-            k = chooser.choose(2)
-            picks.append(k)
-            chooser.record(k, times[k])
-        return picks
+        return _drive(chooser, calls, times)
 
     picks = run(6 + 200, busy)[6:]  # both timed, then one thread kept
     probes = [i for i, k in enumerate(picks) if k == 2]
