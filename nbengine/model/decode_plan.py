@@ -133,7 +133,8 @@ class ThreadChooser:
       ``drift`` times its score when it was last chosen or confirmed, and otherwise only
       every ``team_probe_every`` calls. On an idle machine a one-thread probe takes twice
       a team step, and the schedule above probed five times in a 256-token W2 (about 2%
-      of its time, and all of its slowest steps; docs/benchmarks.md, "Per-step overhead").
+      of its time, and all of its slowest steps; docs/benchmarks.md, "W2 int8 against
+      CTranslate2 on the Intel host").
 
     (An exponential average of all timings, the first version, let one slow step keep a
     two-thread plan on one thread for hundreds of steps; the median of five, the second,
