@@ -196,11 +196,11 @@ class ThreadChooser:
         if len(self.samples) < 2:
             return
         if not self._kept and min(map(len, self.samples.values())) < self.min_samples:
-            team = max(self.samples)
-            if len(self.samples[team]) < self.min_samples or min(
-                self.samples[1]
-            ) <= self.drift * _score(self.samples[team]):
-                return  # not yet: one thread is not clearly slower
+            # Not both timed fully yet: choose only if one thread is clearly the slower.
+            team = self.samples[max(self.samples)]
+            slowest_one = min(self.samples[1])
+            if len(team) < self.min_samples or slowest_one <= self.drift * _score(team):
+                return
         before = self._kept
         probing = bool(before) and threads != before
         self._kept = kept = min(self.samples, key=lambda k: _score(self.samples[k]))
