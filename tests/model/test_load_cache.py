@@ -127,6 +127,35 @@ def _hits(log: pytest.LogCaptureFixture) -> int:
     return sum("from the load cache" in r.getMessage() for r in log.records)
 
 
+def _vm_flags(path: Path) -> list[str]:
+    """The VmFlags of this process's mappings of ``path`` (/proc/self/smaps)."""
+    flags, inside = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+                inside = head[-1] == str(path)
+            elif inside and head[0] == "VmFlags:":
+                flags.append(" ".join(head[1:]))
+    return flags
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").is_dir(), reason="no transparent huge pages"
+)
+def test_a_hit_maps_its_entry_with_huge_pages_advised(model_dir: Path, cache_dir: Path) -> None:
+    # The entry's pages are asked for in 2 MiB folios before the first step touches them
+    # (load_cache._advise_huge_pages): smaps shows it as the mapping's "hg" flag.
+    config = ModelConfig(model=model_dir, dtype="bfloat16", quantization="int4")
+    load_model(config)  # a miss: quantized, then stored
+    assert wait_for_stores(60)
+    (entry,) = _entries(cache_dir)
+    model = load_model(config).model  # a hit: the entry mapped
+    flags = _vm_flags(entry.resolve())
+    assert flags and all("hg" in f.split() for f in flags), flags
+    del model
+
+
 @pytest.mark.parametrize("dtype,mode", [("bfloat16", "int4"), ("float32", "int8")])
 def test_second_quantized_load_reads_the_cache_with_the_same_outputs(
     model_dir: Path, cache_dir: Path, cache_log: pytest.LogCaptureFixture, dtype: str, mode: str
