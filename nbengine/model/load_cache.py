@@ -58,8 +58,9 @@ __all__ = ["CACHE_FORMAT", "LoadCache", "cache_root", "checkpoint_identity", "wa
 logger = logging.getLogger(__name__)
 
 # Bump when the quantized formats (ops/quant.py), the packed layout (ops/native.py) or
-# what an entry holds change. 2: tensors 64-byte aligned, bfloat16 packed entries.
-CACHE_FORMAT = 2
+# what an entry holds change. 2: tensors 64-byte aligned, bfloat16 packed entries. 3: int4
+# rows in windows of 16 groups.
+CACHE_FORMAT = 3
 
 Quantized = dict[str, tuple[torch.Tensor, torch.Tensor]]
 

@@ -1223,8 +1223,12 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
 /* The row kernels below walk four output rows at a time (four short streams, which the
  * hardware prefetcher follows poorly), so they prefetch the block of four rows this many
  * blocks ahead, linearly, while computing the current one. Same A/B as NB_PREFETCH_BYTES,
- * two threads: int8 10.3 -> 5.0 ms, int4 7.5 -> 4.8 ms (2 to 6 blocks ahead within 10%). */
+ * two threads: int8 10.3 -> 5.0 ms, int4 7.5 -> 4.8 ms (2 to 6 blocks ahead within 10%).
+ * int4 rows are half as long, so int4 looks twice as many blocks ahead, the same bytes:
+ * 2-3% faster than 4 blocks on the Intel host (docs/benchmarks.md, "int4 in windows of
+ * 16 groups"). */
 #define NB_Q_PREFETCH_BLOCKS 4
+#define NB_Q4_PREFETCH_BLOCKS 8
 #define NB_Q8_FLUSH 64  /* 32-input steps between int32 -> float32 flushes (int8) */
 
 static inline float nb_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
@@ -1233,22 +1237,18 @@ static inline float nb_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
  *
  * int8 weights: each row of x as int16 with one scale per row.
  * int4 weights: each row of x as int8 with one scale per group of G inputs (the groups
- * of the weights), laid out for vpdpbusd: chunk c (the 128 inputs that weight bytes
- * 64 c .. 64 c + 63 of a row hold) is 64 bytes "lo" then 64 bytes "hi", where lo[b]
- * and hi[b] are the inputs that the low and the high nibble of weight byte 64 c + b
- * multiply. */
+ * of the weights), laid out for vpdpbusd against the weights' windows of 16 groups: chunk
+ * j of window w (the 64 weight bytes whose lane l is dword j of group 16 w + l) is 64
+ * bytes "lo" then 64 bytes "hi", where lane l of lo and of hi holds the four inputs that
+ * the low and the high nibbles of that dword multiply. */
 typedef struct {
     int16_t *xq;    /* int8: [M, Kp], zero-padded, 64-byte aligned */
     float *sx;      /* int8: [M]: x ~ xq * sx */
-    int8_t *x8;     /* int4: [M, kc] in chunk order (kc: Kp rounded up to 128, zero-padded) */
-    /* int4: [M, ng2]: (sx_g, sx_g * sum_{k in g} x8) for group g at 2 g, 2 g + 1 (zeros
-     * past the last group; ng2: 2 Kp / G rounded up to 16), to meet the weights' (scale,
-     * zero) pairs as loaded: x ~ x8 * sx_g over group g. */
+    int8_t *x8;     /* int4: [M, kc] in chunk order (kc = windows * 16 G; zero past the groups) */
+    /* int4: [M, windows, 2, 16]: per window, sx_g then sx_g * sum_{k in g} x8 for its 16
+     * groups (zeros past the last group): x ~ x8 * sx_g over group g. */
     float *xv;
-    /* int4: [G / 16, 16]: for chunk p of a window of eight groups, the lane of those
-     * eight (scale, zero) pairs that holds the scale of the group lane l sums. */
-    int32_t *lanes;
-    int64_t kc, ng2;
+    int64_t kc, nv;  /* int4: bytes of x8 and floats of xv per row */
 } nb_qx;
 
 static void nb_q_inputs_int16(nb_qx *in, const uint16_t *x, int64_t M, int64_t K, int64_t Kp) {
@@ -1278,24 +1278,21 @@ static void nb_q_inputs_int16(nb_qx *in, const uint16_t *x, int64_t M, int64_t K
 
 static void nb_q_inputs_int8_groups(nb_qx *in, const uint16_t *x, int64_t M, int64_t K,
                                     int64_t Kp, int64_t G) {
-    const int64_t ng = Kp / G, half = G / 2;
-    in->kc = (Kp + 127) / 128 * 128;
-    in->ng2 = (2 * ng + 15) / 16 * 16;
+    const int64_t ng = Kp / G, half = G / 2, D = G / 8, windows = (ng + 15) / 16;
+    in->kc = windows * 16 * G;
+    in->nv = windows * 32;
     in->x8 = (int8_t *)aligned_alloc(64, (size_t)(M * in->kc));
-    in->xv = (float *)aligned_alloc(64, (size_t)(M * in->ng2 * 4));
-    in->lanes = (int32_t *)aligned_alloc(64, (size_t)(G / 16 * 64));
-    for (int64_t p = 0; p < G / 16; p++)
-        for (int64_t l = 0; l < 16; l++) in->lanes[p * 16 + l] = (int32_t)(2 * ((64 * p + 4 * l) / half));
+    in->xv = (float *)aligned_alloc(64, (size_t)(M * in->nv * 4));
+    /* The lanes past the last group of a window meet zero weight bytes (masked loads) and
+     * zero (s, z) pairs; zeroed all the same. */
+    memset(in->x8, 0, (size_t)(M * in->kc));
+    memset(in->xv, 0, (size_t)(M * in->nv * 4));
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xr = x + m * K;
         int8_t *x8 = in->x8 + m * in->kc;
-        float *xv = in->xv + m * in->ng2;
-        /* The last chunk's places past the row's bytes meet zero weight bytes (masked
-         * loads); zeroed all the same. */
-        memset(x8 + in->kc - 128, 0, 128);
-        /* The pairs past the last group must be zero: they meet zero (s, z) pairs. */
-        memset(xv + 2 * ng, 0, (size_t)(in->ng2 - 2 * ng) * 4);
+        float *xv = in->xv + m * in->nv;
         for (int64_t g = 0; g < ng; g++) {
+            const int64_t w = g / 16, l = g % 16;
             __m512 mx = _mm512_setzero_ps();
             for (int64_t k = g * G; k < g * G + G && k < K; k += 16)
                 mx = _mm512_max_ps(mx, _mm512_abs_ps(nb_load16(xr + k, nb_mask(K - k))));
@@ -1303,21 +1300,23 @@ static void nb_q_inputs_int8_groups(nb_qx *in, const uint16_t *x, int64_t M, int
             /* As ops/quant.py: inv = 127 / amax and sx = amax / 127, both float32. */
             const __m512 vinv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
             __m512i sum = _mm512_setzero_si512();
-            for (int64_t c = 0; c < G; c += 16) {  /* 16 inputs: one run of weight bytes */
+            for (int64_t c = 0; c < G; c += 16) {  /* 16 inputs: four dwords of weight bytes */
                 const int64_t k = g * G + c;
                 __m512i r = _mm512_setzero_si512();
                 if (k < K)  /* round to nearest even, as torch.round */
                     r = _mm512_cvtps_epi32(_mm512_mul_ps(nb_load16(xr + k, nb_mask(K - k)), vinv));
                 sum = _mm512_add_epi32(sum, r);
-                /* Inputs c (low nibbles) and half + c (high) of the group share weight
-                 * byte g * half + c % half; 16 bytes never cross a 64-byte chunk. */
-                const int64_t byte = g * half + c % half;
-                int8_t *at = x8 + byte / 64 * 128 + byte % 64 + (c < half ? 0 : 64);
-                _mm_storeu_si128((__m128i *)at, _mm512_cvtsepi32_epi8(r));
+                /* Input c of the group is the low nibble of the group's byte c (c < half)
+                 * or the high nibble of byte c - half: dword j = byte / 4, lane l. */
+                const int64_t byte = c < half ? c : c - half;
+                int32_t d[4];
+                _mm_storeu_si128((__m128i *)d, _mm512_cvtsepi32_epi8(r));
+                for (int64_t t = 0; t < 4; t++)
+                    memcpy(x8 + (w * D + byte / 4 + t) * 128 + (c < half ? 0 : 64) + 4 * l, &d[t], 4);
             }
             const float sx = amax / 127.0f;
-            xv[2 * g] = sx;
-            xv[2 * g + 1] = sx * (float)_mm512_reduce_add_epi32(sum);
+            xv[32 * w + l] = sx;
+            xv[32 * w + 16 + l] = sx * (float)_mm512_reduce_add_epi32(sum);
         }
     }
 }
@@ -1336,7 +1335,6 @@ static void nb_q_inputs_free(nb_qx *in) {
     free(in->sx);
     free(in->x8);
     free(in->xv);
-    free(in->lanes);
 }
 
 static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias, int64_t n,
@@ -1415,70 +1413,86 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
 
 /* int4, output rows [n0, n0 + 4) (fewer at the end: n1), input rows [m0, m0 + MB).
  *
- * Per 64 weight bytes (128 weights) of a row: the nibbles split with two ANDs and a
- * shift (once for all MB rows of x), two vpdpbusd (64 unsigned-by-signed byte products
- * each) against the chunk's lo and hi inputs, and one FMA that scales the 16 int32
- * lanes, each a partial sum inside one group, by s_g * sx_g. Eight groups' (s, z) pairs
- * are converted once and multiplied by each row's (sx_g, sx_g * sum x8): the scales for
- * the lanes (permuted per chunk: the weights' and the row's factors apart, the same
- * products), and the zeros' term z_g * sx_g * sum x8 summed on the odd lanes. Each
- * row's sums are those of MB = 1, in the same order. */
+ * A window of 16 groups at a time (ops/quant.py lays each row out so): lane l of every
+ * 64-byte chunk of the window is a dword of group l, so the int32 lanes of vpdpbusd (64
+ * unsigned nibble by signed int8 products each) sum one group each across the whole
+ * window, exactly. Per chunk and weight row that is a load and two ANDs (once for all MB
+ * rows of x) and two vpdpbusd per row of x; per window, one conversion and two FMAs
+ * scale the 16 groups' sums by s_g sx_g and add their zero terms z_g sx_g sum x8. At one
+ * row of x the high nibbles stay in place (16 times their value, summed apart and
+ * shifted back once per window: exact); at two, registers are short and each chunk
+ * shifts them down. Against the layout of eight groups' scales permuted per chunk
+ * this reads the 1B shape's int4 decode step 4% faster (29.4-30.1 against 30.5-31.3 ms
+ * p50; docs/benchmarks.md, "int4 in windows of 16 groups"). Each row's sums are those of
+ * MB = 1, in the same order. */
 static inline __attribute__((always_inline)) void nb_q4_rows_mb(
     const nb_qx *in, const uint8_t *const wr[4], const uint16_t *const sr[4], const char *pf,
     const char *pfs, const uint16_t *bias, void *y, int64_t N, int64_t Kp, int64_t G,
     int out_f32, int64_t n0, int64_t n1, int64_t m0, const int MB) {
-    const int64_t ng = Kp / G, half = G / 2;
-    const __m512i low4 = _mm512_set1_epi8(15);
-    __m512 acc[2][4], zacc[2][4];  /* MB <= 2 */
+    const int64_t ng = Kp / G, half = G / 2, D = G / 8;
+    const __m512i low4 = _mm512_set1_epi8(15), high4 = _mm512_set1_epi8((char)0xF0);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    __m512 acc[2][4];  /* MB <= 2 */
     for (int r = 0; r < MB; r++)
-        for (int i = 0; i < 4; i++) acc[r][i] = zacc[r][i] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < ng; g0 += 8) {  /* a window of eight groups */
-        const int64_t cnt = ng - g0 < 8 ? ng - g0 : 8;
-        const __mmask16 mk = (__mmask16)((1u << (2 * cnt)) - 1);
-        __m512 ws[4], v[2];
-        for (int i = 0; i < 4; i++) ws[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, sr[i] + g0 * 2));
-        for (int r = 0; r < MB; r++) {
-            v[r] = _mm512_load_ps(in->xv + (m0 + r) * in->ng2 + 2 * g0);
-            for (int i = 0; i < 4; i++)
-                zacc[r][i] = _mm512_mask_add_ps(zacc[r][i], (__mmask16)0xAAAA, zacc[r][i], _mm512_mul_ps(ws[i], v[r]));
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0, w = 0; g0 < ng; g0 += 16, w++) {
+        const int64_t cnt = ng - g0 < 16 ? ng - g0 : 16, base = g0 * half;
+        const __mmask64 wm = cnt == 16 ? ~(__mmask64)0 : (((__mmask64)1 << (4 * cnt)) - 1);
+        /* Two sums per row of x at one row (eight chains of vpdpbusd), one at two. */
+        __m512i sa[2][4], sb[4];
+        for (int i = 0; i < 4; i++) {
+            sb[i] = _mm512_setzero_si512();
+            for (int r = 0; r < MB; r++) sa[r][i] = _mm512_setzero_si512();
         }
-        if (pfs) {  /* the scales 4 row blocks ahead: 4 rows x 8 groups x 4 bytes */
-            _mm_prefetch(pfs + 4 * g0 * 4, NB_STREAM_HINT);
-            _mm_prefetch(pfs + 4 * g0 * 4 + 64, NB_STREAM_HINT);
+        if (pfs) {  /* the scales 4 row blocks ahead: 4 rows x 16 groups x 4 bytes */
+            for (int c = 0; c < 4; c++) _mm_prefetch(pfs + 16 * g0 + 64 * c, NB_STREAM_HINT);
         }
-        const int64_t start = g0 * half, end = (g0 + cnt) * half;
-        for (int64_t off = start, p = 0; off < end; off += 64, p++) {
-            const __mmask64 wm = end - off >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (end - off)) - 1);
-            const __m512i lane = _mm512_load_si512(in->lanes + 16 * p);
-            if (pf) {  /* the same 64 bytes of the four rows 4 row blocks ahead */
+        for (int64_t j = 0; j < D; j++) {
+            const int64_t off = base + j * 4 * cnt;
+            if (pf) {  /* the same bytes of the four rows 4 row blocks ahead */
                 for (int c = 0; c < 4; c++) _mm_prefetch(pf + 4 * off + 64 * c, NB_STREAM_HINT);
             }
             __m512i lo[4], hi[4];
-            __m512 wl[4];
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 const __m512i b = _mm512_maskz_loadu_epi8(wm, wr[i] + off);
                 lo[i] = _mm512_and_si512(b, low4);
-                hi[i] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-                wl[i] = _mm512_permutexvar_ps(lane, ws[i]);
+                hi[i] = MB == 1 ? _mm512_and_si512(b, high4) : _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
             }
-#pragma GCC unroll 4
+#pragma GCC unroll 2
             for (int r = 0; r < MB; r++) {
-                const int8_t *xr = in->x8 + (m0 + r) * in->kc;
-                const __m512i xlo = _mm512_load_si512(xr + 2 * off);
-                const __m512i xhi = _mm512_load_si512(xr + 2 * off + 64);
-                const __m512 xl = _mm512_permutexvar_ps(lane, v[r]);
+                const int8_t *xc = in->x8 + (m0 + r) * in->kc + (w * D + j) * 128;
+                const __m512i xlo = _mm512_load_si512(xc), xhi = _mm512_load_si512(xc + 64);
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xlo);
-                    t = _mm512_dpbusd_epi32(t, hi[i], xhi);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(wl[i], xl), acc[r][i]);
+                    sa[r][i] = _mm512_dpbusd_epi32(sa[r][i], lo[i], xlo);
+                    if (MB == 1) sb[i] = _mm512_dpbusd_epi32(sb[i], hi[i], xhi);
+                    else sa[r][i] = _mm512_dpbusd_epi32(sa[r][i], hi[i], xhi);
                 }
+            }
+        }
+        /* The window's (s, z) pairs: 32 float16, split into the 16 scales and 16 zeros. */
+        const __mmask32 sm = cnt == 16 ? ~(__mmask32)0 : (((__mmask32)1 << (2 * cnt)) - 1);
+        __m512 s[4], z[4];
+        for (int i = 0; i < 4; i++) {
+            const __m512i p = _mm512_maskz_loadu_epi16(sm, sr[i] + 2 * g0);
+            const __m512 a = _mm512_cvtph_ps(_mm512_castsi512_si256(p));
+            const __m512 b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(p, 1));
+            s[i] = _mm512_permutex2var_ps(a, even, b);
+            z[i] = _mm512_permutex2var_ps(a, odd, b);
+        }
+        for (int r = 0; r < MB; r++) {
+            const float *xv = in->xv + (m0 + r) * in->nv + 32 * w;
+            const __m512 vs = _mm512_load_ps(xv), vz = _mm512_load_ps(xv + 16);
+            for (int i = 0; i < 4; i++) {
+                const __m512i t = MB == 1 ? _mm512_add_epi32(sa[r][i], _mm512_srai_epi32(sb[i], 4)) : sa[r][i];
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s[i], vs), acc[r][i]);
+                acc[r][i] = _mm512_fmadd_ps(z[i], vz, acc[r][i]);
             }
         }
     }
     for (int r = 0; r < MB; r++) {
-        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_add_ps(acc[r][i], zacc[r][i]);
         float sums[4];
         _mm_storeu_ps(sums, nb_sum4x16(acc[r]));
         for (int i = 0; i < 4 && n0 + i < n1; i++)
@@ -1499,44 +1513,14 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
         wr[i] = w + n * rowb;
         sr[i] = sz + n * ng * 2;
     }
-    /* The first pass over the four rows prefetches the next blocks' (NB_Q_PREFETCH_BLOCKS). */
-    const char *pf = (const char *)(w + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * rowb);
-    const char *pfs = (const char *)(sz + (n0 + 4 * NB_Q_PREFETCH_BLOCKS) * ng * 2);
+    /* The first pass over the four rows prefetches the next blocks' (NB_Q4_PREFETCH_BLOCKS). */
+    const char *pf = (const char *)(w + (n0 + 4 * NB_Q4_PREFETCH_BLOCKS) * rowb);
+    const char *pfs = (const char *)(sz + (n0 + 4 * NB_Q4_PREFETCH_BLOCKS) * ng * 2);
     int64_t m0 = 0;
     for (; m0 + 2 <= M; m0 += 2, pf = pfs = 0)
         nb_q4_rows_mb(in, wr, sr, pf, pfs, bias, y, N, Kp, G, out_f32, n0, n1, m0, 2);
     if (m0 < M)
         nb_q4_rows_mb(in, wr, sr, pf, pfs, bias, y, N, Kp, G, out_f32, n0, n1, m0, 1);
-}
-
-/* Dequantize weight row n to bf16 into `row` (Kp values; float32 arithmetic as
- * ops/quant.py's dequantize, rounded to nearest even). */
-static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_t Kp, int64_t G,
-                             int64_t n, uint16_t *row) {
-    if (bits == 8) {
-        const int8_t *wr = (const int8_t *)w + n * Kp;
-        const __m512 s = _mm512_set1_ps(((const float *)scales)[n]);
-        for (int64_t k = 0; k < Kp; k += 16) {
-            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
-            _mm256_storeu_si256((__m256i *)(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(q, s)));
-        }
-        return;
-    }
-    const uint8_t *wr = (const uint8_t *)w + n * (Kp / 2);
-    const uint16_t *p = (const uint16_t *)scales + n * (Kp / G) * 2;
-    const int64_t half = G / 2;
-    const __m512i low4 = _mm512_set1_epi32(15);
-    for (int64_t g = 0; g < Kp / G; g++) {
-        const __m512 s = _mm512_set1_ps(nb_f16_to_f32(p[2 * g]));
-        const __m512 z = _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1]));
-        for (int64_t c = 0; c < half; c += 16) {
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + g * half + c)));
-            const __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), s), z);
-            const __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s), z);
-            _mm256_storeu_si256((__m256i *)(row + g * G + c), (__m256i)_mm512_cvtneps_pbh(lo));
-            _mm256_storeu_si256((__m256i *)(row + g * G + half + c), (__m256i)_mm512_cvtneps_pbh(hi));
-        }
-    }
 }
 
 /* 16 vectors of 16 32-bit lanes transposed in place: r[i][j] <-> r[j][i]. */
@@ -1563,6 +1547,141 @@ static inline void nb_transpose16_epi32(__m512i r[16]) {
         r[8 + j] = _mm512_shuffle_i32x4(c1, c3, 0x88);
         r[12 + j] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
     }
+}
+
+/* One window of 16 groups of int4 weights (G = 64) put back in order: in, dword j of
+ * group l at dword 16 j + l (64 bytes per chunk j); out, group l's 32 bytes at 32 l. A
+ * transpose of 32-bit lanes, in two steps of in-lane unpacks that leave 128-bit lane q of
+ * v[x] (of v[4 + x]) with dwords 0-3 (4-7) of group 4 q + x, then one permute per two
+ * groups. */
+static inline void nb_q4_window_g64(const uint8_t *in, uint8_t *out) {
+    __m512i c[8], u[8], v[8];
+    for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512(in + 64 * j);
+    for (int j = 0; j < 8; j += 2) {
+        u[j] = _mm512_unpacklo_epi32(c[j], c[j + 1]);
+        u[j + 1] = _mm512_unpackhi_epi32(c[j], c[j + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {  /* h = 0: dwords 0-3 (v[0..3]), h = 4: 4-7 (v[4..7]) */
+        v[h] = _mm512_unpacklo_epi64(u[h], u[h + 2]);
+        v[h + 1] = _mm512_unpackhi_epi64(u[h], u[h + 2]);
+        v[h + 2] = _mm512_unpacklo_epi64(u[h + 1], u[h + 3]);
+        v[h + 3] = _mm512_unpackhi_epi64(u[h + 1], u[h + 3]);
+    }
+    const __m512i lanes01 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i lanes23 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int x = 0; x < 4; x++) {  /* groups x, 4 + x, then 8 + x, 12 + x */
+        const __m512i a = _mm512_permutex2var_epi64(v[x], lanes01, v[4 + x]);
+        const __m512i b = _mm512_permutex2var_epi64(v[x], lanes23, v[4 + x]);
+        _mm256_storeu_si256((__m256i *)(out + 32 * x), _mm512_castsi512_si256(a));
+        _mm256_storeu_si256((__m256i *)(out + 32 * (4 + x)), _mm512_extracti64x4_epi64(a, 1));
+        _mm256_storeu_si256((__m256i *)(out + 32 * (8 + x)), _mm512_castsi512_si256(b));
+        _mm256_storeu_si256((__m256i *)(out + 32 * (12 + x)), _mm512_extracti64x4_epi64(b, 1));
+    }
+}
+
+/* As nb_q4_window_g64 for G = 32: four chunks, v[x] lane q = group 4 q + x, and a 4 x 4
+ * transpose of 128-bit lanes puts groups 4 q .. 4 q + 3 in one vector. */
+static inline void nb_q4_window_g32(const uint8_t *in, uint8_t *out) {
+    __m512i c[4], u[4], v[4];
+    for (int j = 0; j < 4; j++) c[j] = _mm512_loadu_si512(in + 64 * j);
+    u[0] = _mm512_unpacklo_epi32(c[0], c[1]);
+    u[1] = _mm512_unpackhi_epi32(c[0], c[1]);
+    u[2] = _mm512_unpacklo_epi32(c[2], c[3]);
+    u[3] = _mm512_unpackhi_epi32(c[2], c[3]);
+    v[0] = _mm512_unpacklo_epi64(u[0], u[2]);
+    v[1] = _mm512_unpackhi_epi64(u[0], u[2]);
+    v[2] = _mm512_unpacklo_epi64(u[1], u[3]);
+    v[3] = _mm512_unpackhi_epi64(u[1], u[3]);
+    const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
+    _mm512_storeu_si512(out, _mm512_shuffle_i32x4(t0, t2, 0x88));
+    _mm512_storeu_si512(out + 64, _mm512_shuffle_i32x4(t0, t2, 0xDD));
+    _mm512_storeu_si512(out + 128, _mm512_shuffle_i32x4(t1, t3, 0x88));
+    _mm512_storeu_si512(out + 192, _mm512_shuffle_i32x4(t1, t3, 0xDD));
+}
+
+/* Row wr of int4 weights (Kp / 2 bytes in windows of 16 groups, ops/quant.py) with its
+ * groups' bytes put back in order into out: group g's G / 2 bytes at g G / 2, what the
+ * dequantizing loops below read. Dword j of group l of a window of cnt groups lies at
+ * dword j cnt + l of the window. Full windows of G = 64 and 32 (the modes') take the
+ * transposes above; others, and the last window when partial, a 16 x 16 transpose. On
+ * the Intel host this costs the AMX int4 product 4% of its time at 16 rows and 7% at 64
+ * (docs/benchmarks.md, "int4 in windows of 16 groups"). */
+static void nb_q4_row_bytes(const uint8_t *wr, int64_t Kp, int64_t G, uint8_t *out) {
+    const int64_t ng = Kp / G, half = G / 2, dwords = half / 4;
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        const int64_t cnt = ng - g0 < 16 ? ng - g0 : 16;
+        if (cnt == 16 && G == 64) {
+            nb_q4_window_g64(wr + g0 * half, out + g0 * half);
+            continue;
+        }
+        if (cnt == 16 && G == 32) {
+            nb_q4_window_g32(wr + g0 * half, out + g0 * half);
+            continue;
+        }
+        const __mmask16 lanes = nb_mask(cnt);
+        for (int64_t j0 = 0; j0 < dwords; j0 += 16) {
+            const int64_t nd = dwords - j0 < 16 ? dwords - j0 : 16;
+            __m512i r[16];
+            for (int64_t j = 0; j < 16; j++)
+                r[j] = j < nd ? _mm512_maskz_loadu_epi32(lanes, wr + g0 * half + 4 * (j0 + j) * cnt)
+                              : _mm512_setzero_si512();
+            nb_transpose16_epi32(r);
+            for (int64_t l = 0; l < cnt; l++)
+                _mm512_mask_storeu_epi32(out + (g0 + l) * half + 4 * j0, nb_mask(nd), r[l]);
+        }
+    }
+}
+
+/* Row n of int4 weights dequantized to bf16 into `row` (Kp values; float32 arithmetic as
+ * ops/quant.py's dequantize, u s + z, rounded to nearest even), by table: a group's 16
+ * possible values are made once, in one vector, and each nibble picks its value with a
+ * word permute: per 64 weights a widening load, two masks and two permutes, where
+ * converting each weight on its own costs twice as many instructions. The row's bytes
+ * are first put back in group order (nb_q4_row_bytes). */
+static void nb_q4_dequant_row_lut(const uint8_t *w, const uint16_t *sz, int64_t Kp, int64_t G,
+                                  int64_t n, uint16_t *row) {
+    const uint8_t *at = w + n * (Kp / 2);
+    uint8_t wr[Kp / 2];
+    nb_q4_row_bytes(at, Kp, G, wr);
+    const uint16_t *p = sz + n * (Kp / G) * 2;
+    const int64_t half = G / 2;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i low4 = _mm512_set1_epi16(15);
+    for (int64_t g = 0; g < Kp / G; g++) {
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(nb_f16_to_f32(p[2 * g]))),
+                                       _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1])));
+        const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+        /* The row 16 on, which the AMX path's thread dequantizes next (its blocks are
+         * consecutive): 74-78 against 85-90 ms at 16 rows of the 1B shape, interleaved
+         * A/B. (Elsewhere rows go one by one: 16 rows ahead.) */
+        if ((g * half) % 64 < half)
+            _mm_prefetch((const char *)(at + 16 * (Kp / 2) + g * half), _MM_HINT_T0);
+        for (int64_t c = 0; c < half; c += 32) {
+            const __mmask32 mk = nb_mask32(half - c);
+            const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, wr + g * half + c));
+            _mm512_mask_storeu_epi16(row + g * G + c, mk,
+                                     _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut));
+            _mm512_mask_storeu_epi16(row + g * G + half + c, mk,
+                                     _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+        }
+    }
+}
+
+/* Dequantize weight row n to bf16 into `row` (Kp values; float32 arithmetic as
+ * ops/quant.py's dequantize, rounded to nearest even; int4 by table, above). */
+static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_t Kp, int64_t G,
+                             int64_t n, uint16_t *row) {
+    if (bits == 8) {
+        const int8_t *wr = (const int8_t *)w + n * Kp;
+        const __m512 s = _mm512_set1_ps(((const float *)scales)[n]);
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
+            _mm256_storeu_si256((__m256i *)(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(q, s)));
+        }
+        return;
+    }
+    nb_q4_dequant_row_lut((const uint8_t *)w, (const uint16_t *)scales, Kp, G, n, row);
 }
 
 /* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout, 16
@@ -1843,37 +1962,6 @@ static void nb_linear_bf16_amx(const uint16_t *x, const uint16_t *w_packed, cons
             }
         }
         nb_q_amx_tiles(0);
-    }
-}
-
-/* Row n of int4 weights dequantized to bf16 into `row` (Kp values), as nb_q_dequant_row
- * computes them, by table: a group's 16 possible values (u s + z for u = 0 .. 15, the
- * same float32 arithmetic) are made once, in one vector, and each nibble picks its value
- * with a word permute: per 64 weights a widening load, two masks and two permutes, where
- * converting each weight on its own costs twice as many instructions. */
-static void nb_q4_dequant_row_lut(const uint8_t *w, const uint16_t *sz, int64_t Kp, int64_t G,
-                                  int64_t n, uint16_t *row) {
-    const uint8_t *wr = w + n * (Kp / 2);
-    const uint16_t *p = sz + n * (Kp / G) * 2;
-    const int64_t half = G / 2;
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i low4 = _mm512_set1_epi16(15);
-    for (int64_t g = 0; g < Kp / G; g++) {
-        const __m512 v = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(nb_f16_to_f32(p[2 * g]))),
-                                       _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1])));
-        const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
-        /* The row 16 on, which this thread dequantizes next (its blocks are consecutive):
-         * 74-78 against 85-90 ms at 16 rows of the 1B shape, interleaved A/B. */
-        if ((g * half) % 64 < half)
-            _mm_prefetch((const char *)(wr + 16 * (Kp / 2) + g * half), _MM_HINT_T0);
-        for (int64_t c = 0; c < half; c += 32) {
-            const __mmask32 mk = nb_mask32(half - c);
-            const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, wr + g * half + c));
-            _mm512_mask_storeu_epi16(row + g * G + c, mk,
-                                     _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut));
-            _mm512_mask_storeu_epi16(row + g * G + half + c, mk,
-                                     _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
-        }
     }
 }
 

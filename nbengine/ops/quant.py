@@ -11,7 +11,13 @@ inputs.
 ``s`` its range / 15, both float16, ``q`` in 0..15. Two values per byte: byte ``b`` of a
 group's ``G / 2`` bytes holds element ``b`` in its low nibble and element ``G / 2 + b``
 in its high nibble (the kernel unpacks 32 consecutive values from 16 bytes without a
-shuffle). Rows are zero-padded to a multiple of ``G``.
+shuffle). Rows are zero-padded to a multiple of ``G``. Within a row the groups' bytes are
+interleaved in windows of 16 groups (the last window: the groups left over): each group's
+bytes are ``G / 8`` dwords of four, and dword ``j`` of the window's group ``l`` lies at
+dword ``j * c + l`` of a window of ``c`` groups. So each 64 bytes of a full window hold
+one dword of each of 16 groups, and the kernel's 16 int32 lanes sum one group each over
+the whole window, scaling once per window instead of once per 64 bytes
+(``interleave_groups``; docs/quantization.md, "Kernels").
 
 The torch functions here are the reference of the native kernels (tests/ops/test_quant.py
 checks one against the other) and the path taken where the kernels are unavailable.
@@ -228,8 +234,44 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None])
     q = q.clamp_(0, 15).to(torch.uint8)
     half = group_size // 2
-    packed = (q[..., :half] | (q[..., half:] << 4)).reshape(n, kp // 2).contiguous()
+    packed = interleave_groups(q[..., :half] | (q[..., half:] << 4))
     return packed, torch.stack([scale, zero], dim=-1).contiguous()
+
+
+_WINDOW = 16  # groups per window of the int4 rows (module docstring)
+
+
+def interleave_groups(groups: torch.Tensor) -> torch.Tensor:
+    """``[N, ng, G / 2]`` bytes, group by group -> ``[N, ng * G / 2]`` rows in windows of
+    16 groups, dword ``j`` of a window's group ``l`` at dword ``j * c + l`` (module
+    docstring). ``deinterleave_groups`` undoes it."""
+    n, ng, half = groups.shape
+    full = ng // _WINDOW * _WINDOW
+    parts = []
+    if full:
+        w = groups[:, :full].reshape(n, full // _WINDOW, _WINDOW, half // 4, 4)
+        parts.append(w.transpose(2, 3).reshape(n, full * half))
+    if full < ng:
+        t = groups[:, full:].reshape(n, ng - full, half // 4, 4)
+        parts.append(t.transpose(1, 2).reshape(n, (ng - full) * half))
+    return torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
+
+
+def deinterleave_groups(rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[N, Kp / 2]`` int4 rows (in windows) -> their bytes ``[N, ng, G / 2]`` group by
+    group: the inverse of ``interleave_groups``."""
+    n, half_row = rows.shape
+    half = group_size // 2
+    ng = half_row // half
+    full = ng // _WINDOW * _WINDOW
+    parts = []
+    if full:
+        w = rows[:, : full * half].reshape(n, full // _WINDOW, half // 4, _WINDOW, 4)
+        parts.append(w.transpose(2, 3).reshape(n, full, half))
+    if full < ng:
+        t = rows[:, full * half :].reshape(n, half // 4, ng - full, 4)
+        parts.append(t.transpose(1, 2).reshape(n, ng - full, half))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 def dequantize(
@@ -238,9 +280,8 @@ def dequantize(
     """The float32 ``[N, in_features]`` weight that ``qweight`` and ``scales`` stand for."""
     if group_size is None:
         return qweight[:, :in_features].float() * scales[:, None]
-    n, half_row = qweight.shape
-    ng = 2 * half_row // group_size
-    b = qweight.view(n, ng, group_size // 2)
+    b = deinterleave_groups(qweight, group_size)
+    n = b.shape[0]
     q = torch.cat([b & 15, b >> 4], dim=-1).float()
     s, z = scales[..., 0].float(), scales[..., 1].float()
     return (q * s[..., None] + z[..., None]).view(n, -1)[:, :in_features]

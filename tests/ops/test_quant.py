@@ -19,7 +19,9 @@ from nbengine.ops.quant import (
     QUANTIZATION_MODES,
     TILE_ROWS,
     QuantLinear,
+    deinterleave_groups,
     dequantize,
+    interleave_groups,
     linear_quantized_reference,
     quantize_int4,
     quantize_int8,
@@ -73,12 +75,35 @@ def test_int4_round_trip_within_half_a_step(group: int, k: int) -> None:
 
 
 def test_int4_nibble_layout() -> None:
-    # Byte b of a group holds element b (low nibble) and element G/2 + b (high nibble).
-    w = torch.arange(64, dtype=torch.float32)[None, :] % 16  # values 0..15, step 1, min 0
+    # Byte b of a group holds element b (low nibble) and element G/2 + b (high nibble);
+    # one group alone is one window, its bytes in order.
+    w = torch.arange(32, dtype=torch.float32)[None, :] % 16  # values 0..15, step 1, min 0
     q, sz = quantize_int4(w, 32)
     assert sz[0, 0].tolist() == [1.0, 0.0]
-    b = q[0, :16].tolist()
+    b = q[0].tolist()
     assert [v & 15 for v in b] == list(range(16)) and [v >> 4 for v in b] == list(range(16))
+
+
+@pytest.mark.parametrize("group", [32, 64, 96])
+def test_int4_rows_in_windows_of_16_groups(group: int) -> None:
+    # Dword j of group l of a window of c groups lies at dword j * c + l of the window:
+    # 37 groups are two full windows and one of 5.
+    torch.manual_seed(3)
+    ng, half = 37, group // 2
+    w = torch.randn(3, ng * group)
+    q, sz = quantize_int4(w, group)
+    s, z = sz[..., 0].float(), sz[..., 1].float()
+    v = torch.round((w.view(3, ng, group) - z[..., None]) / s[..., None])
+    v = v.clamp(0, 15).to(torch.uint8)
+    in_order = v[..., :half] | (v[..., half:] << 4)  # [3, ng, half], group by group
+    for g in range(ng):
+        g0 = g // 16 * 16
+        c, lane = min(16, ng - g0), g - g0
+        for b in range(half):
+            at = g0 * half + 4 * ((b // 4) * c + lane) + b % 4
+            assert q[:, at].tolist() == in_order[:, g, b].tolist(), (g, b)
+    assert torch.equal(deinterleave_groups(q, group), in_order)
+    assert torch.equal(interleave_groups(in_order), q)
 
 
 def test_bad_group_and_mode() -> None:
