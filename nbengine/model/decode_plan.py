@@ -198,8 +198,8 @@ class ThreadChooser:
         if not self._kept and min(map(len, self.samples.values())) < self.min_samples:
             # Not both timed fully yet: choose only if one thread is clearly the slower.
             team = self.samples[max(self.samples)]
-            slowest_one = min(self.samples[1])
-            if len(team) < self.min_samples or slowest_one <= self.drift * _score(team):
+            fastest_one = min(self.samples[1])
+            if len(team) < self.min_samples or fastest_one <= self.drift * _score(team):
                 return
         before = self._kept
         probing = bool(before) and threads != before
