@@ -1283,14 +1283,17 @@ static void nb_q_inputs_int8_groups(nb_qx *in, const uint16_t *x, int64_t M, int
     in->nv = windows * 32;
     in->x8 = (int8_t *)aligned_alloc(64, (size_t)(M * in->kc));
     in->xv = (float *)aligned_alloc(64, (size_t)(M * in->nv * 4));
-    /* The lanes past the last group of a window meet zero weight bytes (masked loads) and
-     * zero (s, z) pairs; zeroed all the same. */
-    memset(in->x8, 0, (size_t)(M * in->kc));
-    memset(in->xv, 0, (size_t)(M * in->nv * 4));
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xr = x + m * K;
         int8_t *x8 = in->x8 + m * in->kc;
         float *xv = in->xv + m * in->nv;
+        /* Every lane of a group is written below; those of a partial last window past its
+         * groups meet zero weight bytes (masked loads) and zero (s, z) pairs, zeroed all
+         * the same. */
+        if (ng % 16) {
+            memset(x8 + (windows - 1) * D * 128, 0, (size_t)(D * 128));
+            memset(xv + (windows - 1) * 32, 0, 32 * 4);
+        }
         for (int64_t g = 0; g < ng; g++) {
             const int64_t w = g / 16, l = g % 16;
             __m512 mx = _mm512_setzero_ps();
