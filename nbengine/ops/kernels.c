@@ -1191,9 +1191,10 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * with more rows each widened weight serves four rows of x, one vpdpwssd per row. The
  * cost grows with the rows, so from NB_Q_AMX_ROWS rows on, where AMX tiles are
  * usable, the same integer sums run on AMX int8 tiles (below, nb_linear_q8_amx), and
- * elsewhere from NB_Q_TILE_ROWS rows on the bf16 tiles described last.
+ * elsewhere from NB_Q8_TILE_ROWS rows on the bf16 tiles described last.
  *
- * Rows of x, int4 weights below NB_Q_TILE_ROWS rows: each group of G inputs is scaled to
+ * Rows of x, int4 weights, at any number of rows where AMX tiles are not usable (below
+ * NB_Q_AMX_ROWS where they are): each group of G inputs is scaled to
  * int8 on its own (x8 = round(x * 127 / max|x| over the group), sx_g = max / 127), and
  * the products are vpdpbusd (64 unsigned nibble by signed int8 products per
  * instruction), exact, then y = sum_g sx_g (s * sum_{k in g} q x8 + z * sum_{k in g} x8).
@@ -1208,18 +1209,24 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * int4 from NB_Q_AMX_ROWS rows on, where AMX tiles are usable: the weights dequantized
  * to bf16 for AMX bf16 tiles (below, nb_linear_q4_amx).
  *
- * Many rows without AMX (batched decode, prefill: M >= NB_Q_TILE_ROWS), int8 and int4:
- * each thread dequantizes one tile of 64 output features at a time to bfloat16 in the
- * VNNI layout of nb_linear_bf16, into a buffer of 64 x K values, and runs the bf16 tile
+ * Many rows of int8 without AMX (batched decode, prefill: M >= NB_Q8_TILE_ROWS): each
+ * thread dequantizes one tile of 64 output features at a time to bfloat16 in the VNNI
+ * layout of nb_linear_bf16, into a buffer of 64 x K values, and runs the bf16 tile
  * kernel on it for every row: the full bf16 weight never exists. Those products see the
- * weights rounded to bfloat16 (as a bf16 model's) and x as it is. The row kernels above
- * cost in proportion to the rows, the dequantization once per call: on the AMD host
- * (2026-12-04, two threads, a 16384 x 2048 and a 2048 x 8192 weight) the tiles took
- * 0.95-1.13x the row kernels' time at 24 rows, 0.92-1.0x at 32, 0.73-0.82x at 64 and
- * 0.61-0.74x at 512, and 1.0-1.15x the time of an unquantized bf16 product at 64 and 512
- * rows (docs/quantization.md, "Kernels").
+ * weights rounded to bfloat16 (as a bf16 model's) and x as it is. The int8 row kernel
+ * multiplies int16 at the rate the tiles multiply bf16 (32 products per instruction)
+ * and widens each weight once per four rows, so the two are level at 64 rows and the
+ * tiles ahead from about 96 (the AMD host, 2026-12-06, the 1B shape's four linears,
+ * two threads: 11.3 / 16.8 / 22.4 / 33.3 ms at 32 / 48 / 64 / 96 rows on the row
+ * kernel against 13.9 / 18.1 / 22.7 / 31.3 on the tiles). int4 never takes the tiles:
+ * its row kernel's vpdpbusd makes 64 products per instruction on weights unpacked once
+ * for two rows, scaled once per window of 16 groups, and it stays ahead of the tiles at
+ * every row count measured, 32 to 1024 (9.0 against 14.1 ms at 32 rows, 16.2 / 21.3
+ * at 64, 62.4 / 74.0 at 256, 271 / 301 at 1024), and of an unquantized bf16 product
+ * (21.1 ms at 64 rows, 74.5 at 256; docs/quantization.md, "Kernels"). So without AMX
+ * each row's int4 product is that of one row alone, whatever the batch.
  */
-#define NB_Q_TILE_ROWS 32
+#define NB_Q8_TILE_ROWS 64
 /* The row kernels below walk four output rows at a time (four short streams, which the
  * hardware prefetcher follows poorly), so they prefetch the block of four rows this many
  * blocks ahead, linearly, while computing the current one. Same A/B as NB_PREFETCH_BYTES,
@@ -2189,7 +2196,7 @@ static void nb_linear_q(int bits, const uint16_t *x, const void *w, const void *
                          G, out_f32, nthreads);
         return;
     }
-    if (M >= NB_Q_TILE_ROWS && K % 2 == 0) {
+    if (bits == 8 && M >= NB_Q8_TILE_ROWS && K % 2 == 0) {
         const int64_t ntiles = (N + NB_TILE - 1) / NB_TILE, mtiles = (M + 3) / 4;
 #pragma omp parallel num_threads(nthreads)
         {

@@ -33,8 +33,8 @@ Products, as the kernels compute them (bfloat16 inputs):
   rows, and from there on, on CPUs with AMX, AMX int8 tile products of the weights as
   they lie in memory (the int16 inputs split into a high and a low byte): the same
   integer sums, so the same values to float32 rounding, at a fraction of the cost;
-  without AMX, from ``TILE_ROWS`` rows on, bfloat16 tiles as int4's (below).
-- int4 below ``native.AMX_ROWS`` rows (``TILE_ROWS`` without AMX): each group of ``G``
+  without AMX, from ``INT8_TILE_ROWS`` rows on, bfloat16 tiles (below).
+- int4 below ``native.AMX_ROWS`` rows (at any number of rows without AMX): each group of ``G``
   inputs of a row (the weights' groups) is scaled to int8 on its own (``round(x * 127 /
   max|x|)`` over the group: an error of at most 1/254 of the group's largest value), and
   the dot products are exact integer sums, scaled by the group's two scales afterwards:
@@ -42,10 +42,12 @@ Products, as the kernels compute them (bfloat16 inputs):
   int16 inputs left it compute bound (docs/quantization.md, "Kernels").
 - int4 from ``native.AMX_ROWS`` rows on CPUs with AMX: the weights are dequantized to
   bfloat16, 16 output rows at a time into a buffer that stays in cache, and multiplied on
-  AMX bfloat16 tiles by ``x`` as it is; elsewhere int8 and int4 alike from
-  ``TILE_ROWS`` rows on (batched decode, prefill), one tile of 64 output rows at a time
-  with the bfloat16 kernel. Either way the products see the weights rounded to
-  bfloat16, as a bfloat16 model's are.
+  AMX bfloat16 tiles by ``x`` as it is; elsewhere int8 from ``INT8_TILE_ROWS`` rows on
+  (batched decode, prefill), one tile of 64 output rows at a time with the bfloat16
+  kernel. Either way the products see the weights rounded to bfloat16, as a bfloat16
+  model's are. (int4's row kernel stays ahead of those tiles at every row count, so
+  without AMX it takes every product, and a row's int4 product never depends on the
+  batch.)
 - On CPUs where oneDNN multiplies bfloat16 on AMX tiles (ops/linear.py), products of
   ``dense_min_rows()`` rows or more (long prefill chunks) take none of these: the
   weight is dequantized to bfloat16 (``_DENSE_TILE_BYTES`` at a time, into one buffer per
@@ -76,11 +78,11 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_MODES: dict[str, int | None] = {"int8": None, "int4": 64, "int4-g32": 32}
 _INT8_ALIGN = 32
 _REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
-# From this many input rows on (and with an even K), the native kernels multiply by the
-# weights dequantized to bfloat16 tile by tile (NB_Q_TILE_ROWS in ops/kernels.c), int8 and
-# int4 alike, except where the AMX tile kernels take those rows; the reference rounds the
-# weights the same way there.
-TILE_ROWS = 32
+# From this many input rows on (and with an even K), the native kernels multiply int8
+# weights dequantized to bfloat16 tile by tile (NB_Q8_TILE_ROWS in ops/kernels.c), except
+# where the AMX tile kernels take those rows; the reference rounds the weights the same
+# way there. int4 keeps its row kernel at every row count where AMX is not used.
+INT8_TILE_ROWS = 64
 
 
 # bfloat16 bytes of weight the dense path (module docstring) dequantizes at a time: a
@@ -327,7 +329,7 @@ def linear_quantized_reference(
     ``out_dtype`` None: the dtype of ``x``. Dequantizes ``_REF_ROWS`` output rows at a time.
     bfloat16 ``x`` is multiplied as the kernels do (module docstring), with exact sums:
     scaled to int16 per row (int8), to int8 per group (int4), or by the weights rounded
-    to bfloat16: any mode from ``TILE_ROWS`` rows on with an even K, and from
+    to bfloat16: int8 from ``INT8_TILE_ROWS`` rows on with an even K, any mode from
     ``bf16_rows`` rows on (the dense path's threshold where it runs). With ``amx``, as
     the kernels multiply on an AMX CPU, from ``native.AMX_ROWS`` rows on int8 keeps its
     exact sums and int4 takes the rounded weights.
@@ -340,7 +342,7 @@ def linear_quantized_reference(
     rows = xf.shape[0]
     on_amx = amx and rows >= native.AMX_ROWS  # int8: exact integer sums; int4: tiled
     tiled = bf16 and (
-        (not on_amx and rows >= TILE_ROWS and in_features % 2 == 0)
+        (not on_amx and group_size is None and rows >= INT8_TILE_ROWS and in_features % 2 == 0)
         or (bf16_rows is not None and rows >= bf16_rows)
         or (on_amx and group_size is not None)
     )

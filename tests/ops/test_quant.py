@@ -1,9 +1,9 @@
 """Weight-only quantization (ops/quant.py): the formats, and the native kernels against
 their torch reference.
 
-The reference (``linear_quantized_reference``) computes what the kernels compute (for few
-rows, inputs scaled to int16 per row with int8 weights and to int8 per group with int4
-weights; for many, int4 weights rounded to bfloat16), in float64 or float32; the kernels
+The reference (``linear_quantized_reference``) computes what the kernels compute (inputs
+scaled to int16 per row with int8 weights, to int8 per group with int4 weights; weights
+rounded to bfloat16 for many rows of int8 and on the AMX and dense paths), in float64 or float32; the kernels
 sum in another order, so float32 results are compared tightly and bfloat16 ones within a
 rounding step.
 """
@@ -17,7 +17,7 @@ from torch import nn
 from nbengine.ops import native
 from nbengine.ops.quant import (
     QUANTIZATION_MODES,
-    TILE_ROWS,
+    INT8_TILE_ROWS,
     QuantLinear,
     deinterleave_groups,
     dequantize,
@@ -165,13 +165,13 @@ def test_float32_model_uses_reference_and_stays_close_to_full_precision() -> Non
 
 
 @pytest.mark.parametrize("mode", list(QUANTIZATION_MODES))
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 17, 31, 32, 40, 130])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 17, 31, 32, 40, 63, 64, 130])
 # K = 4100: past the int8 kernel's int32 flush every 2048 inputs, with a tail. K = 77 and
 # 4100 leave int8 rows of Kp = 32 mod 64 (half an AMX int8 step), N = 37, 130, 5 and 9
 # a last AMX block of fewer than 16 features.
 @pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (130, 96), (5, 77), (200, 576), (9, 4100)])
 # amx: the AMX tile kernels from native.AMX_ROWS rows on, where the CPU has them (else,
-# and with amx False, the row kernels and the int4 bf16 tiles).
+# and with amx False, the row kernels and the int8 bf16 tiles).
 @pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.required
 @needs_native
@@ -220,19 +220,20 @@ def test_amx_rows_do_not_depend_on_the_batch(mode: str) -> None:
 @pytest.mark.required
 @needs_native
 def test_row_kernel_rows_do_not_depend_on_the_batch(mode: str) -> None:
-    """Below TILE_ROWS (batched decode without AMX) the row kernels take rows of x
-    several at a time; a row's product is bit for bit the same whatever rows share its
-    call and wherever it falls in that call's blocks (K = 4100: past int8's int32 flush,
-    with a tail)."""
+    """Without AMX the row kernels take rows of x several at a time: int8 below
+    INT8_TILE_ROWS (batched decode), int4 at every row count (prefill chunks too). A
+    row's product is bit for bit the same whatever rows share its call and wherever it
+    falls in that call's blocks (K = 4100: past int8's int32 flush, with a tail)."""
     assert kernels is not None
-    w, x = _randn(37, 4100, seed=15).to(BF16), _randn(TILE_ROWS - 1, 4100, seed=16).to(BF16)
+    m = INT8_TILE_ROWS - 1 if mode == "int8" else 130
+    w, x = _randn(37, 4100, seed=15).to(BF16), _randn(m, 4100, seed=16).to(BF16)
     q, s, g = _quantize(w, mode)
 
     def product(rows: torch.Tensor) -> torch.Tensor:
         return kernels.linear_quantized(rows, q, s, 4100, g, None, torch.float32, amx=False)
 
     full = product(x)
-    for lo, hi in [(0, 1), (5, 6), (1, 4), (3, 10), (2, 29), (30, 31)]:
+    for lo, hi in [(0, 1), (5, 6), (1, 4), (3, 10), (2, 29), (30, 31), (m - 1, m)]:
         assert torch.equal(product(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
 
 
@@ -244,8 +245,8 @@ def test_int8_amx_keeps_the_row_kernels_int16_sums() -> None:
     the bfloat16-rounded weights of the dense path would (a loud input column makes the
     difference)."""
     assert kernels is not None
-    m = 24  # from native.AMX_ROWS on, below TILE_ROWS: the row kernels without amx
-    assert native.AMX_ROWS <= m < TILE_ROWS
+    m = 24  # from native.AMX_ROWS on, below INT8_TILE_ROWS: the row kernels without amx
+    assert native.AMX_ROWS <= m < INT8_TILE_ROWS
     w, x = _randn(64, 4096, seed=13).to(BF16), _randn(m, 4096, seed=14).to(BF16)
     x[:, 7] = 300.0
     q, s = quantize_int8(w)
