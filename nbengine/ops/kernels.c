@@ -1238,6 +1238,29 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
 #define NB_Q4_PREFETCH_BLOCKS 8
 #define NB_Q8_FLUSH 64  /* 32-input steps between int32 -> float32 flushes (int8) */
 
+/* Whether int8's one-row kernel (nb_q8_row1, decode) prefetches the block ahead: not on
+ * AMD CPUs. It reads its weight rows one after another, one stream in address order, and
+ * on the AMD host (Zen 4) the hardware prefetcher alone reads that stream faster than with
+ * the software prefetches besides (below). On the Intel host the prefetches doubled the
+ * row kernels' speed when they walked four rows side by side; they are kept there, not
+ * yet measured with the rows in order. */
+static int nb_q8_prefetch_ahead(void) {
+    static _Atomic int state = 0; /* 0: not asked yet, 1: prefetch, -1: not */
+    int s = atomic_load(&state);
+    if (s == 0) {
+        unsigned a, b, c, d;
+        char vendor[13] = {0};
+        if (__get_cpuid(0, &a, &b, &c, &d)) {
+            memcpy(vendor, &b, 4);
+            memcpy(vendor + 4, &d, 4);
+            memcpy(vendor + 8, &c, 4);
+        }
+        s = strcmp(vendor, "AuthenticAMD") == 0 ? -1 : 1;
+        atomic_store(&state, s);
+    }
+    return s > 0;
+}
+
 static inline float nb_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
 /* The rows of x, converted once per call for the row kernels below.
@@ -1354,6 +1377,65 @@ static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias
     else ((uint16_t *)y)[off] = nb_f32_to_bf16(v);
 }
 
+/* int8, output rows [n0, n0 + 4) (fewer at the end: n1), one row of x (m): decode.
+ *
+ * The weight rows are read one after another, each front to back, so a thread's share of
+ * the weights is one stream in address order, which the hardware prefetcher follows
+ * (nb_q8_rows_mb walks the four rows side by side, four streams 2-8 KiB apart, to widen
+ * each weight once for several rows of x). Each 128 inputs load and widen their four
+ * chunks of weights before the four vpdpwssd (four chains of sums, which cover its
+ * latency). On the AMD host, 16 layers of the 1B shape's linears on one core read 27-28
+ * GB/s so against 21 with the rows side by side, 22-26 with each chunk's vpdpwssd right
+ * after its load, and 17-22 with the prefetch branch left in the loop, not taken; the
+ * 1B shape's int8 decode step took 37.4 against 42.0 ms p50 in a slow spell of the host
+ * and 26.5 against 33 ms p10 in a fast one (docs/benchmarks.md, "The int8 decode rows
+ * read in order"). PF (a constant where inlined, so the loop without it has no prefetch
+ * code): prefetch the same bytes of the block NB_Q_PREFETCH_BLOCKS ahead, where
+ * nb_q8_prefetch_ahead says so. The chains' int32 lanes are added exactly before each
+ * flush, so the sums are those of nb_q8_rows_mb: the same lanes flushed to float32 at
+ * the same inputs, in the same order. */
+static inline __attribute__((always_inline)) void nb_q8_row1(
+    const nb_qx *in, const int8_t *const wr[4], const char *pf, const float *scales,
+    const uint16_t *bias, void *y, int64_t N, int64_t Kp, int out_f32, int64_t n0, int64_t n1,
+    int64_t m, const int PF) {
+    __m512 accf[4];
+    for (int i = 0; i < 4; i++) {
+        const int8_t *w = wr[i];
+        accf[i] = _mm512_setzero_ps();
+        if (n0 + i >= n1) continue; /* past the last row: no sum stored */
+        for (int64_t k0 = 0; k0 < Kp; k0 += 32 * NB_Q8_FLUSH) {
+            const int64_t k1 = k0 + 32 * NB_Q8_FLUSH < Kp ? k0 + 32 * NB_Q8_FLUSH : Kp;
+            __m512i acc[4];
+            for (int u = 0; u < 4; u++) acc[u] = _mm512_setzero_si512();
+            int64_t k = k0;
+            for (; k + 128 <= k1; k += 128) {
+                if (PF) {
+                    _mm_prefetch(pf + i * Kp + k, NB_STREAM_HINT);
+                    _mm_prefetch(pf + i * Kp + k + 64, NB_STREAM_HINT);
+                }
+                __m512i q[4];
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++)
+                    q[u] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k + 32 * u)));
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++)
+                    acc[u] = _mm512_dpwssd_epi32(acc[u], q[u], _mm512_load_si512(in->xq + m * Kp + k + 32 * u));
+            }
+            for (; k < k1; k += 32) {
+                const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k)));
+                acc[0] = _mm512_dpwssd_epi32(acc[0], q, _mm512_load_si512(in->xq + m * Kp + k));
+            }
+            __m512i t = acc[0];
+            for (int u = 1; u < 4; u++) t = _mm512_add_epi32(t, acc[u]);
+            accf[i] = _mm512_add_ps(accf[i], _mm512_cvtepi32_ps(t));
+        }
+    }
+    float sums[4];
+    _mm_storeu_ps(sums, nb_sum4x16(accf));
+    for (int i = 0; i < 4 && n0 + i < n1; i++)
+        nb_store1(y, m * N + n0 + i, sums[i] * (scales[n0 + i] * in->sx[m]), bias, n0 + i, out_f32);
+}
+
 /* int8, output rows [n0, n0 + 4) (fewer at the end: n1), input rows [m0, m0 + MB).
  *
  * The four weight rows are widened to int16 once per 32 inputs for all MB rows of x, so
@@ -1416,7 +1498,12 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
     switch (M - m0) {
     case 3: nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 3); break;
     case 2: nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 2); break;
-    case 1: nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 1); break;
+    case 1:  /* decode: the rows in order, prefetched only where that helps */
+        if (m0 == 0 && nb_q8_prefetch_ahead())
+            nb_q8_row1(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 1);
+        else
+            nb_q8_row1(in, wr, 0, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 0);
+        break;
     default: break;
     }
 }
