@@ -3,9 +3,9 @@ their torch reference.
 
 The reference (``linear_quantized_reference``) computes what the kernels compute (inputs
 scaled to int16 per row with int8 weights, to int8 per group with int4 weights; weights
-rounded to bfloat16 for many rows of int8 and on the AMX and dense paths), in float64 or float32; the kernels
-sum in another order, so float32 results are compared tightly and bfloat16 ones within a
-rounding step.
+rounded to bfloat16 for many rows of int8 and on the AMX and dense paths), in float64 or
+float32; the kernels sum in another order, so float32 results are compared tightly and
+bfloat16 ones within a rounding step.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch import nn
 
 from nbengine.ops import native
 from nbengine.ops.quant import (
-    QUANTIZATION_MODES,
     INT8_TILE_ROWS,
+    QUANTIZATION_MODES,
     QuantLinear,
     deinterleave_groups,
     dequantize,
