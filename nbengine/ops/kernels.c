@@ -1228,8 +1228,9 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  */
 #define NB_Q8_TILE_ROWS 64
 /* The row kernels below walk four output rows at a time (four short streams, which the
- * hardware prefetcher follows poorly), so they prefetch the block of four rows this many
- * blocks ahead, linearly, while computing the current one. Same A/B as NB_PREFETCH_BYTES,
+ * hardware prefetcher follows poorly; int8's one-row kernel reads them in order
+ * instead), so they prefetch the block of four rows this many blocks ahead, linearly,
+ * while computing the current one. Same A/B as NB_PREFETCH_BYTES,
  * two threads: int8 10.3 -> 5.0 ms, int4 7.5 -> 4.8 ms (2 to 6 blocks ahead within 10%).
  * int4 rows are half as long, so int4 looks twice as many blocks ahead, the same bytes:
  * 2-3% faster than 4 blocks on the Intel host (docs/benchmarks.md, "int4 in windows of
