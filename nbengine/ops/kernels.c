@@ -1437,13 +1437,14 @@ static inline __attribute__((always_inline)) void nb_q8_row1(
         nb_store1(y, m * N + n0 + i, sums[i] * (scales[n0 + i] * in->sx[m]), bias, n0 + i, out_f32);
 }
 
-/* int8, output rows [n0, n0 + 4) (fewer at the end: n1), input rows [m0, m0 + MB).
+/* int8, output rows [n0, n0 + 4) (fewer at the end: n1), input rows [m0, m0 + MB), MB
+ * 2 to 4 (one row: nb_q8_row1).
  *
  * The four weight rows are widened to int16 once per 32 inputs for all MB rows of x, so
  * each further row of x costs one vpdpwssd per weight row and 32 inputs: against a
  * widening per row as well, 12-31 rows (batched decode) went from slower than the bf16
- * tiles to faster (docs/quantization.md, "Kernels"). Each row's sums are those of MB = 1:
- * the same lanes flushed to float32 at the same inputs, in the same order. */
+ * tiles to faster (docs/quantization.md, "Kernels"). Each row's sums are those of
+ * nb_q8_row1: the same lanes flushed to float32 at the same inputs, in the same order. */
 static inline __attribute__((always_inline)) void nb_q8_rows_mb(
     const nb_qx *in, const int8_t *const wr[4], const char *pf, const float *scales,
     const uint16_t *bias, void *y, int64_t N, int64_t Kp, int out_f32, int64_t n0, int64_t n1,
@@ -1499,7 +1500,9 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
     switch (M - m0) {
     case 3: nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 3); break;
     case 2: nb_q8_rows_mb(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 2); break;
-    case 1:  /* decode: the rows in order, prefetched only where that helps */
+    case 1:  /* decode: the rows in order, prefetched only where that helps. (The test is
+              * m0 == 0, not pf, which is the same: testing pf here, GCC laid the one-row
+              * loop out so that one core of the AMD host read 16-17 GB/s against 20-26.) */
         if (m0 == 0 && nb_q8_prefetch_ahead())
             nb_q8_row1(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 1);
         else
