@@ -5,8 +5,9 @@ shared VM whose memory speed flips between states from minute to minute (the AMD
 bf16 decode steps of the 1B shape at about 48 or about 72 ms), the ratio of two such
 runs says more about the states they met than about the engines. This script loads one
 engine per precision in one process and alternates short greedy generations between
-them, round after round, timing each decode step (``DecodePlan`` calls: one native call
-per step). The ratio of the per-precision medians over many rounds is the figure
+them, round after round, and reads each generation's decode steps (steps without prefill
+tokens) from the engine's public step log (``Engine.step_stats()``: the whole engine step,
+scheduling included). The ratio of the per-precision medians over many rounds is the figure
 docs/benchmarks.md quotes as "paired" ("The int8 decode rows read in order").
 
 Usage: python scripts/paired_decode.py [--shape llama-3.2-1b] [--precisions bf16,int8,int4]
@@ -19,9 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the bench's engine processes
 
@@ -29,21 +27,17 @@ import torch
 
 import nbengine as nb
 from nbengine.bench.workloads import SHAPES, bench_model_dir
-from nbengine.model import decode_plan
 
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again"
 
 
-def _timed_steps(sink: dict[str, list[float]], current: list[str]) -> Callable[..., Any]:
-    """A ``DecodePlan._call`` that records each call's seconds under ``current[0]``."""
-    call = decode_plan.DecodePlan._call
-
-    def timed(self: decode_plan.DecodePlan, *args: Any, **kwargs: Any) -> None:
-        start = time.perf_counter()
-        call(self, *args, **kwargs)
-        sink.setdefault(current[0], []).append(time.perf_counter() - start)
-
-    return timed
+def _decode_step_p50_ms(llm: nb.LLM, after: int) -> tuple[float, int]:
+    """The median time (ms) of the engine's decode-only steps numbered above ``after``,
+    and the last step's number."""
+    steps = llm.engine.step_stats()
+    new = steps[steps["step"] > after]
+    decode = new[(new["prefill_tokens"] == 0) & (new["decode_tokens"] > 0)]
+    return float(decode["step_time"].median()) * 1e3, int(new["step"].max())
 
 
 def main() -> None:
@@ -60,21 +54,20 @@ def main() -> None:
         raise SystemExit("--rounds must be at least 1 and --tokens at least 2")
 
     torch.set_num_threads(args.threads)
-    steps: dict[str, list[float]] = {}
-    current = ["warm-up"]
-    decode_plan.DecodePlan._call = _timed_steps(steps, current)  # type: ignore[method-assign]
     model = str(bench_model_dir(shape=args.shape))
     engines = {p: nb.LLM(model, quantization=None if p == "bf16" else p) for p in precisions}
     params = nb.SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    for llm in engines.values():
+    last: dict[str, int] = {}
+    for p, llm in engines.items():  # warm-up
         llm.generate([PROMPT], params, use_tqdm=False)
+        last[p] = int(llm.engine.step_stats()["step"].max())
 
     medians: dict[str, list[float]] = {p: [] for p in precisions}
     for r in range(args.rounds):
         for p, llm in engines.items():
-            current[0] = f"{p}/{r}"
             llm.generate([PROMPT], params, use_tqdm=False)
-            medians[p].append(statistics.median(steps[current[0]]) * 1e3)
+            p50, last[p] = _decode_step_p50_ms(llm, last[p])
+            medians[p].append(p50)
         print(f"round {r}: " + "  ".join(f"{p} {medians[p][-1]:.1f} ms" for p in precisions))
 
     overall = {p: statistics.median(v) for p, v in medians.items()}
