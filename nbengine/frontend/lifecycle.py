@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import threading
 import warnings
@@ -17,7 +18,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from nbengine.core.client import CoreClient
-from nbengine.frontend.loop_bridge import LoopBridge
+from nbengine.frontend.loop_bridge import REAP_TIMEOUT_S, LoopBridge, wait_for_reapers
 from nbengine.frontend.registry import RequestRegistry
 
 if TYPE_CHECKING:
@@ -34,11 +35,19 @@ _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def _shutdown_all_engines() -> None:
+    """At interpreter exit: every engine's threads stopped and its model freed before the
+    interpreter finalizes (docs/lifecycle.md, "Shutdown"). Engines that only a reference
+    cycle still holds (an ``LLM`` made inside a function that returned) are collected
+    first, so their finalizers start reaping now rather than during finalization, and
+    their reapers are waited for."""
+    gc.collect()
     for engine in list(_live_engines):
         try:
             engine.shutdown(timeout=5.0)
         except Exception:
             logger.exception("engine shutdown at exit failed")
+    if not wait_for_reapers(REAP_TIMEOUT_S + SHUTDOWN_GRACE_S):
+        logger.warning("an unreferenced engine was still being freed at exit")
 
 
 atexit.register(_shutdown_all_engines)

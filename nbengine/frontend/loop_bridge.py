@@ -41,7 +41,7 @@ from nbengine.request import EngineDeadError
 if TYPE_CHECKING:
     from nbengine.frontend.engine import Engine
 
-__all__ = ["LoopBridge", "client_callbacks", "reap_engine"]
+__all__ = ["LoopBridge", "client_callbacks", "reap_engine", "wait_for_reapers"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,18 +249,48 @@ def client_callbacks(
     return emit, on_exit, fail, routed
 
 
+REAP_TIMEOUT_S = 10.0  # how long a reaper waits for the core thread to stop
+
+_reapers: set[threading.Thread] = set()
+_reapers_lock = threading.Lock()
+
+
 def reap_engine(client: CoreClient, exit_stack: contextlib.ExitStack) -> None:
     """Finalizer of an Engine garbage-collected without ``shutdown()``.
 
     The GC may run it on any thread, the engine's own included, so the blocking part
-    (stop the core client, free the model, stop the loop) runs on a short-lived thread.
+    (stop the core client, free the model, stop the loop) runs on a short-lived thread;
+    interpreter exit waits for it (``wait_for_reapers``).
     """
 
     def reap() -> None:
         try:
-            client.shutdown(10.0)
+            client.shutdown(REAP_TIMEOUT_S)
             exit_stack.close()
         except Exception:
             logger.exception("reaping an unreferenced engine failed")
+        finally:
+            with _reapers_lock:
+                _reapers.discard(threading.current_thread())
 
-    threading.Thread(target=reap, name="nbengine-reaper", daemon=True).start()
+    thread = threading.Thread(target=reap, name="nbengine-reaper", daemon=True)
+    with _reapers_lock:
+        _reapers.add(thread)
+    thread.start()
+
+
+def wait_for_reapers(timeout: float) -> bool:
+    """Wait until every reaper thread has freed its engine (at most ``timeout`` seconds in
+    all); True when none is left.
+
+    Interpreter exit must not overtake a reaper: once the interpreter finalizes, a daemon
+    thread that asks for the GIL is ended on the spot, and one ended while freeing the
+    model's tensors (whose deleters take the GIL from C++) aborts the whole process
+    ("terminate called without an active exception")."""
+    deadline = time.monotonic() + timeout
+    with _reapers_lock:
+        threads = list(_reapers)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _reapers_lock:
+        return not _reapers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from nbengine import RequestOutputKind as Kind
 from nbengine.config import EngineConfig
 from nbengine.model.runner import ModelRunner
 
-from support.models import ENGINE_KW
+from support.models import ENGINE_KW, TINY
 from support.requests import long_params
 from support.threads import engine_threads
 
@@ -154,6 +155,45 @@ def test_plain_script_exits_without_shutdown(tiny_model: Path, tmp_path: Path) -
     )
     assert proc.returncode == 0, proc.stderr
     assert "tokens 3" in proc.stdout
+
+
+DROPPED_SCRIPT = """
+import sys
+import nbengine as nb
+def main():
+    llm = nb.LLM(sys.argv[1], num_kv_blocks=64)
+    out = llm.generate(["Once"], nb.SamplingParams(max_tokens=3, ignore_eos=True))
+    print("tokens", len(out[0].outputs[0].token_ids), flush=True)
+main()
+# the LLM is unreferenced now (a reference cycle holds it until the GC runs): at exit it
+# is reaped, and the process must still exit cleanly
+"""
+
+
+def test_script_exits_cleanly_after_dropping_an_llm(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """An ``LLM`` made inside a function that returned is freed by its finalizer's reaper
+    thread; interpreter exit waits for that thread. (Before, a reaper still freeing the
+    model when the interpreter finalized was ended mid-free, and the process aborted:
+    exit status 134, "terminate called without an active exception". bfloat16 weights:
+    the model's tensors are then views of the mapped checkpoint, whose deleters take the
+    GIL.)"""
+    import subprocess
+    import sys
+
+    tiny_model = tiny_model_factory("llama", **TINY, weights_dtype="bfloat16")
+    script = tmp_path / "script.py"
+    script.write_text(DROPPED_SCRIPT)
+    for _ in range(2):  # the abort came from a race; it lost it nearly every time
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tiny_model)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "tokens 3" in proc.stdout and "terminate called" not in proc.stderr
 
 
 def test_output_handler_failure_fails_requests_and_later_adds(tiny_model: Path) -> None:
