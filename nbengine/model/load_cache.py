@@ -59,8 +59,8 @@ logger = logging.getLogger(__name__)
 
 # Bump when the quantized formats (ops/quant.py), the packed layout (ops/native.py) or
 # what an entry holds change. 2: tensors 64-byte aligned, bfloat16 packed entries. 3: int4
-# rows in windows of 16 groups.
-CACHE_FORMAT = 3
+# rows in windows of 16 groups. 4: int4 rows by blocks of four rows.
+CACHE_FORMAT = 4
 
 Quantized = dict[str, tuple[torch.Tensor, torch.Tensor]]
 

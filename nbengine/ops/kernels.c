@@ -1177,8 +1177,9 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * int4: W ~ q[n, k] * s[n, g] + z[n, g] for the group g = k / G of G consecutive inputs;
  *   q in 0..15, two per byte: byte b of a group's G/2 holds element b in its low nibble
  *   and element G/2 + b in its high nibble, so G/2 bytes give G consecutive values with
- *   no shuffle. Rows [Kp / 2] bytes (Kp: K rounded up to G); (s, z) float16 pairs
- *   [N, Kp / G, 2].
+ *   no shuffle. Rows [Kp / 2] bytes (Kp: K rounded up to G), in windows of 16 groups
+ *   and by blocks of four rows (ops/quant.py; nb_q4_rows_mb below); (s, z) float16
+ *   pairs [N, Kp / G, 2].
  *
  * Rows of x, int8 weights: each row of x is scaled to int16 (per row: xq = round(x *
  * 32767 / max|x|), an error of at most 1/65534 of the row's largest value: far below
@@ -1229,8 +1230,10 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
 #define NB_Q8_TILE_ROWS 64
 /* The row kernels below walk four output rows at a time (four short streams, which the
  * hardware prefetcher follows poorly; int8's one-row kernel reads them in order
- * instead), so they prefetch the block of four rows this many blocks ahead, linearly,
- * while computing the current one. Same A/B as NB_PREFETCH_BYTES,
+ * instead, and int4's rows are laid out so that the four are one stream), so they
+ * prefetch the block of four rows this many blocks ahead, linearly, while computing the
+ * current one (on AMD CPUs, not for those two: nb_prefetch_rows_ahead). Same A/B as
+ * NB_PREFETCH_BYTES,
  * two threads: int8 10.3 -> 5.0 ms, int4 7.5 -> 4.8 ms (2 to 6 blocks ahead within 10%).
  * int4 rows are half as long, so int4 looks twice as many blocks ahead, the same bytes:
  * 2-3% faster than 4 blocks on the Intel host (docs/benchmarks.md, "int4 in windows of
@@ -1239,13 +1242,15 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
 #define NB_Q4_PREFETCH_BLOCKS 8
 #define NB_Q8_FLUSH 64  /* 32-input steps between int32 -> float32 flushes (int8) */
 
-/* Whether int8's one-row kernel (nb_q8_row1, decode) prefetches the block ahead: not on
- * AMD CPUs. It reads its weight rows one after another, one stream in address order, and
- * on the AMD host (Zen 4) the hardware prefetcher alone reads that stream faster than with
- * the software prefetches besides (below). On the Intel host the prefetches doubled the
- * row kernels' speed when they walked four rows side by side; they are kept there, not
- * yet measured with the rows in order. */
-static int nb_q8_prefetch_ahead(void) {
+/* Whether the kernels that read their weights as one stream in address order at one row
+ * of x prefetch the block ahead: not on AMD CPUs. Those are int8's one-row kernel
+ * (nb_q8_row1, decode), which reads its four rows one after another, and int4's row
+ * kernel (nb_q4_rows), whose four rows' chunks take turns in memory (ops/quant.py). On
+ * the AMD host (Zen 4) the hardware prefetcher alone reads such a stream faster than with
+ * the software prefetches besides (below; int4: 28-30 against 20 GB/s on one core). On
+ * the Intel host the prefetches doubled the row kernels' speed when they walked four rows
+ * side by side; they are kept there, not yet measured with the rows in order. */
+static int nb_prefetch_rows_ahead(void) {
     static _Atomic int state = 0; /* 0: not asked yet, 1: prefetch, -1: not */
     int s = atomic_load(&state);
     if (s == 0) {
@@ -1392,7 +1397,7 @@ static inline void nb_store1(void *y, int64_t off, float v, const uint16_t *bias
  * and 26.5 against 33 ms p10 in a fast one (docs/benchmarks.md, "The int8 decode rows
  * read in order"). PF (a constant where inlined, so the loop without it has no prefetch
  * code): prefetch the same bytes of the block NB_Q_PREFETCH_BLOCKS ahead, where
- * nb_q8_prefetch_ahead says so. The chains' int32 lanes are added exactly before each
+ * nb_prefetch_rows_ahead says so. The chains' int32 lanes are added exactly before each
  * flush, so the sums are those of nb_q8_rows_mb: the same lanes flushed to float32 at
  * the same inputs, in the same order. */
 static inline __attribute__((always_inline)) void nb_q8_row1(
@@ -1503,7 +1508,7 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
     case 1:  /* decode: the rows in order, prefetched only where that helps. (The test is
               * m0 == 0, not pf, which is the same: testing pf here, GCC laid the one-row
               * loop out so that one core of the AMD host read 16-17 GB/s against 20-26.) */
-        if (m0 == 0 && nb_q8_prefetch_ahead())
+        if (m0 == 0 && nb_prefetch_rows_ahead())
             nb_q8_row1(in, wr, pf, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 1);
         else
             nb_q8_row1(in, wr, 0, scales, bias, y, N, Kp, out_f32, n0, n1, m0, 0);
@@ -1513,6 +1518,13 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
 }
 
 /* int4, output rows [n0, n0 + 4) (fewer at the end: n1), input rows [m0, m0 + MB).
+ *
+ * The block's four rows are one stream: chunk j of a window (64 bytes) of each row in
+ * turn, then chunk j + 1 (ops/quant.py lays them out so). The same four rows side by
+ * side, four streams a row apart, read 19-20 GB/s from memory on one core of the AMD
+ * host with the software prefetches (10 without them); one stream reads 28-30 without
+ * them, and on two threads it took the 1B shape's 16 layers from 14.6-15.0 to 9.8-10.5
+ * ms (interleaved runs; docs/benchmarks.md, "int4 rows by blocks of four").
  *
  * A window of 16 groups at a time (ops/quant.py lays each row out so): lane l of every
  * 64-byte chunk of the window is a dword of group l, so the int32 lanes of vpdpbusd (64
@@ -1527,9 +1539,10 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
  * p50; docs/benchmarks.md, "int4 in windows of 16 groups"). Each row's sums are those of
  * MB = 1, in the same order. */
 static inline __attribute__((always_inline)) void nb_q4_rows_mb(
-    const nb_qx *in, const uint8_t *const wr[4], const uint16_t *const sr[4], const char *pf,
+    const nb_qx *in, const uint8_t *blk, const uint16_t *const sr[4], const char *pf,
     const char *pfs, const uint16_t *bias, void *y, int64_t N, int64_t Kp, int64_t G,
     int out_f32, int64_t n0, int64_t n1, int64_t m0, const int MB) {
+    const int64_t R = n1 - n0;  /* rows in the block: 4, fewer in the last one */
     const int64_t ng = Kp / G, half = G / 2, D = G / 8;
     const __m512i low4 = _mm512_set1_epi8(15), high4 = _mm512_set1_epi8((char)0xF0);
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -1538,8 +1551,14 @@ static inline __attribute__((always_inline)) void nb_q4_rows_mb(
     for (int r = 0; r < MB; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t g0 = 0, w = 0; g0 < ng; g0 += 16, w++) {
-        const int64_t cnt = ng - g0 < 16 ? ng - g0 : 16, base = g0 * half;
+        const int64_t cnt = ng - g0 < 16 ? ng - g0 : 16, base = g0 * half, cs = 4 * cnt;
         const __mmask64 wm = cnt == 16 ? ~(__mmask64)0 : (((__mmask64)1 << (4 * cnt)) - 1);
+        /* Chunk j (cs bytes) of the block's row i lies at R (base + j cs) + i cs of the
+         * block (ops/quant.py): the four rows' chunks one after another. Rows past R (a
+         * last block of fewer rows) read row R - 1 again, their sums unused. */
+        const uint8_t *cw = blk + R * base;
+        int64_t ro[4];
+        for (int i = 0; i < 4; i++) ro[i] = (i < R ? i : R - 1) * cs;
         /* Two sums per row of x at one row (eight chains of vpdpbusd), one at two. */
         __m512i sa[2][4], sb[4];
         for (int i = 0; i < 4; i++) {
@@ -1550,14 +1569,14 @@ static inline __attribute__((always_inline)) void nb_q4_rows_mb(
             for (int c = 0; c < 4; c++) _mm_prefetch(pfs + 16 * g0 + 64 * c, NB_STREAM_HINT);
         }
         for (int64_t j = 0; j < D; j++) {
-            const int64_t off = base + j * 4 * cnt;
-            if (pf) {  /* the same bytes of the four rows 4 row blocks ahead */
-                for (int c = 0; c < 4; c++) _mm_prefetch(pf + 4 * off + 64 * c, NB_STREAM_HINT);
+            const uint8_t *cj = cw + j * R * cs;
+            if (pf) {  /* the same bytes of the block NB_Q4_PREFETCH_BLOCKS ahead */
+                for (int c = 0; c < 4; c++) _mm_prefetch(pf + (cj - blk) + 64 * c, NB_STREAM_HINT);
             }
             __m512i lo[4], hi[4];
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
-                const __m512i b = _mm512_maskz_loadu_epi8(wm, wr[i] + off);
+                const __m512i b = _mm512_maskz_loadu_epi8(wm, cj + ro[i]);
                 lo[i] = _mm512_and_si512(b, low4);
                 hi[i] = MB == 1 ? _mm512_and_si512(b, high4) : _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
             }
@@ -1607,21 +1626,24 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
                        const uint16_t *bias, void *y, int64_t M, int64_t N, int64_t Kp,
                        int64_t G, int out_f32, int64_t n0, int64_t n1) {
     const int64_t ng = Kp / G, rowb = Kp / 2;
-    const uint8_t *wr[4];
+    const uint8_t *blk = w + n0 * rowb;  /* the block's rows, their chunks interleaved */
     const uint16_t *sr[4];
-    for (int i = 0; i < 4; i++) {
-        const int64_t n = n0 + i < n1 ? n0 + i : n1 - 1;
-        wr[i] = w + n * rowb;
-        sr[i] = sz + n * ng * 2;
-    }
-    /* The first pass over the four rows prefetches the next blocks' (NB_Q4_PREFETCH_BLOCKS). */
-    const char *pf = (const char *)(w + (n0 + 4 * NB_Q4_PREFETCH_BLOCKS) * rowb);
+    for (int i = 0; i < 4; i++) sr[i] = sz + (n0 + i < n1 ? n0 + i : n1 - 1) * ng * 2;
+    /* The first pass over the block prefetches its scales and the block
+     * NB_Q4_PREFETCH_BLOCKS on: always for more than one row of x, where nb_prefetch_rows_ahead
+     * says so for one. (On the AMD host, with two rows or more each block computes long
+     * enough that the hardware prefetcher alone falls behind: four 1B layers on two
+     * threads took 3.4 ms at 2 rows and 55-57 at 64 without, 2.7-3.0 and 53.5-54 with, as
+     * with the rows side by side; at one row, no prefetch reads 28-30 GB/s against 20.) */
+    const char *pf = M > 1 || nb_prefetch_rows_ahead()
+                         ? (const char *)(w + (n0 + 4 * NB_Q4_PREFETCH_BLOCKS) * rowb)
+                         : 0;
     const char *pfs = (const char *)(sz + (n0 + 4 * NB_Q4_PREFETCH_BLOCKS) * ng * 2);
     int64_t m0 = 0;
     for (; m0 + 2 <= M; m0 += 2, pf = pfs = 0)
-        nb_q4_rows_mb(in, wr, sr, pf, pfs, bias, y, N, Kp, G, out_f32, n0, n1, m0, 2);
+        nb_q4_rows_mb(in, blk, sr, pf, pfs, bias, y, N, Kp, G, out_f32, n0, n1, m0, 2);
     if (m0 < M)
-        nb_q4_rows_mb(in, wr, sr, pf, pfs, bias, y, N, Kp, G, out_f32, n0, n1, m0, 1);
+        nb_q4_rows_mb(in, blk, sr, pf, pfs, bias, y, N, Kp, G, out_f32, n0, n1, m0, 1);
 }
 
 /* 16 vectors of 16 32-bit lanes transposed in place: r[i][j] <-> r[j][i]. */
@@ -1651,13 +1673,13 @@ static inline void nb_transpose16_epi32(__m512i r[16]) {
 }
 
 /* One window of 16 groups of int4 weights (G = 64) put back in order: in, dword j of
- * group l at dword 16 j + l (64 bytes per chunk j); out, group l's 32 bytes at 32 l. A
- * transpose of 32-bit lanes, in two steps of in-lane unpacks that leave 128-bit lane q of
- * v[x] (of v[4 + x]) with dwords 0-3 (4-7) of group 4 q + x, then one permute per two
- * groups. */
-static inline void nb_q4_window_g64(const uint8_t *in, uint8_t *out) {
+ * group l at dword l of chunk j (64 bytes at in + stride j); out, group l's 32 bytes at
+ * 32 l. A transpose of 32-bit lanes, in two steps of in-lane unpacks that leave 128-bit
+ * lane q of v[x] (of v[4 + x]) with dwords 0-3 (4-7) of group 4 q + x, then one permute
+ * per two groups. */
+static inline void nb_q4_window_g64(const uint8_t *in, int64_t stride, uint8_t *out) {
     __m512i c[8], u[8], v[8];
-    for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512(in + 64 * j);
+    for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512(in + stride * j);
     for (int j = 0; j < 8; j += 2) {
         u[j] = _mm512_unpacklo_epi32(c[j], c[j + 1]);
         u[j + 1] = _mm512_unpackhi_epi32(c[j], c[j + 1]);
@@ -1682,9 +1704,9 @@ static inline void nb_q4_window_g64(const uint8_t *in, uint8_t *out) {
 
 /* As nb_q4_window_g64 for G = 32: four chunks, v[x] lane q = group 4 q + x, and a 4 x 4
  * transpose of 128-bit lanes puts groups 4 q .. 4 q + 3 in one vector. */
-static inline void nb_q4_window_g32(const uint8_t *in, uint8_t *out) {
+static inline void nb_q4_window_g32(const uint8_t *in, int64_t stride, uint8_t *out) {
     __m512i c[4], u[4], v[4];
-    for (int j = 0; j < 4; j++) c[j] = _mm512_loadu_si512(in + 64 * j);
+    for (int j = 0; j < 4; j++) c[j] = _mm512_loadu_si512(in + stride * j);
     u[0] = _mm512_unpacklo_epi32(c[0], c[1]);
     u[1] = _mm512_unpackhi_epi32(c[0], c[1]);
     u[2] = _mm512_unpacklo_epi32(c[2], c[3]);
@@ -1701,23 +1723,30 @@ static inline void nb_q4_window_g32(const uint8_t *in, uint8_t *out) {
     _mm512_storeu_si512(out + 192, _mm512_shuffle_i32x4(t1, t3, 0xDD));
 }
 
-/* Row wr of int4 weights (Kp / 2 bytes in windows of 16 groups, ops/quant.py) with its
- * groups' bytes put back in order into out: group g's G / 2 bytes at g G / 2, what the
- * dequantizing loops below read. Dword j of group l of a window of cnt groups lies at
- * dword j cnt + l of the window. Full windows of G = 64 and 32 (the modes') take the
- * transposes above; others, and the last window when partial, a 16 x 16 transpose. On
- * the Intel host this costs the AMX int4 product 4% of its time at 16 rows and 7% at 64
- * (docs/benchmarks.md, "int4 in windows of 16 groups"). */
-static void nb_q4_row_bytes(const uint8_t *wr, int64_t Kp, int64_t G, uint8_t *out) {
+/* Row i of a block of R int4 rows (blk: Kp / 2 bytes a row, in windows of 16 groups and
+ * by blocks of four rows, ops/quant.py) with its groups' bytes put back in order into
+ * out: group g's G / 2 bytes at g G / 2, what the dequantizing loops below read. Dword j
+ * of group l of a window of cnt groups lies at dword l of the row's chunk j, and that
+ * chunk (4 cnt bytes) at R (g0 G / 2 + 4 cnt j) + 4 cnt i of the block. Full windows of
+ * G = 64 and 32 (the modes') take the transposes above; others, and the last window when
+ * partial, a 16 x 16 transpose. On the Intel host this costs the AMX int4 product 4% of
+ * its time at 16 rows and 7% at 64 (docs/benchmarks.md, "int4 in windows of 16 groups").
+ * `ahead`: prefetch each chunk this many bytes on (0: none). */
+static void nb_q4_row_bytes(const uint8_t *blk, int64_t R, int64_t i, int64_t Kp, int64_t G,
+                            uint8_t *out, int64_t ahead) {
     const int64_t ng = Kp / G, half = G / 2, dwords = half / 4;
     for (int64_t g0 = 0; g0 < ng; g0 += 16) {
-        const int64_t cnt = ng - g0 < 16 ? ng - g0 : 16;
+        const int64_t cnt = ng - g0 < 16 ? ng - g0 : 16, cs = 4 * cnt;
+        const uint8_t *row = blk + R * g0 * half + i * cs;  /* chunk j at row + R cs j */
+        if (ahead)
+            for (int64_t j = 0; j < dwords; j++)
+                _mm_prefetch((const char *)(row + R * cs * j + ahead), _MM_HINT_T0);
         if (cnt == 16 && G == 64) {
-            nb_q4_window_g64(wr + g0 * half, out + g0 * half);
+            nb_q4_window_g64(row, R * cs, out + g0 * half);
             continue;
         }
         if (cnt == 16 && G == 32) {
-            nb_q4_window_g32(wr + g0 * half, out + g0 * half);
+            nb_q4_window_g32(row, R * cs, out + g0 * half);
             continue;
         }
         const __mmask16 lanes = nb_mask(cnt);
@@ -1725,7 +1754,7 @@ static void nb_q4_row_bytes(const uint8_t *wr, int64_t Kp, int64_t G, uint8_t *o
             const int64_t nd = dwords - j0 < 16 ? dwords - j0 : 16;
             __m512i r[16];
             for (int64_t j = 0; j < 16; j++)
-                r[j] = j < nd ? _mm512_maskz_loadu_epi32(lanes, wr + g0 * half + 4 * (j0 + j) * cnt)
+                r[j] = j < nd ? _mm512_maskz_loadu_epi32(lanes, row + R * cs * (j0 + j))
                               : _mm512_setzero_si512();
             nb_transpose16_epi32(r);
             for (int64_t l = 0; l < cnt; l++)
@@ -1740,11 +1769,15 @@ static void nb_q4_row_bytes(const uint8_t *wr, int64_t Kp, int64_t G, uint8_t *o
  * word permute: per 64 weights a widening load, two masks and two permutes, where
  * converting each weight on its own costs twice as many instructions. The row's bytes
  * are first put back in group order (nb_q4_row_bytes). */
-static void nb_q4_dequant_row_lut(const uint8_t *w, const uint16_t *sz, int64_t Kp, int64_t G,
-                                  int64_t n, uint16_t *row) {
-    const uint8_t *at = w + n * (Kp / 2);
+static void nb_q4_dequant_row_lut(const uint8_t *w, const uint16_t *sz, int64_t N, int64_t Kp,
+                                  int64_t G, int64_t n, uint16_t *row) {
+    const int64_t b0 = n - n % 4, R = N - b0 < 4 ? N - b0 : 4;
     uint8_t wr[Kp / 2];
-    nb_q4_row_bytes(at, Kp, G, wr);
+    /* Prefetching the row 16 on, which the AMX path's thread dequantizes next (its blocks
+     * are consecutive): 74-78 against 85-90 ms at 16 rows of the 1B shape, interleaved
+     * A/B. (Elsewhere rows go one by one: 16 rows ahead.) Its chunks lie 16 rows of bytes
+     * after this row's, four blocks on. */
+    nb_q4_row_bytes(w + b0 * (Kp / 2), R, n - b0, Kp, G, wr, 16 * (Kp / 2));
     const uint16_t *p = sz + n * (Kp / G) * 2;
     const int64_t half = G / 2;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -1753,11 +1786,6 @@ static void nb_q4_dequant_row_lut(const uint8_t *w, const uint16_t *sz, int64_t 
         const __m512 v = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(nb_f16_to_f32(p[2 * g]))),
                                        _mm512_set1_ps(nb_f16_to_f32(p[2 * g + 1])));
         const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
-        /* The row 16 on, which the AMX path's thread dequantizes next (its blocks are
-         * consecutive): 74-78 against 85-90 ms at 16 rows of the 1B shape, interleaved
-         * A/B. (Elsewhere rows go one by one: 16 rows ahead.) */
-        if ((g * half) % 64 < half)
-            _mm_prefetch((const char *)(at + 16 * (Kp / 2) + g * half), _MM_HINT_T0);
         for (int64_t c = 0; c < half; c += 32) {
             const __mmask32 mk = nb_mask32(half - c);
             const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, wr + g * half + c));
@@ -1771,8 +1799,8 @@ static void nb_q4_dequant_row_lut(const uint8_t *w, const uint16_t *sz, int64_t 
 
 /* Dequantize weight row n to bf16 into `row` (Kp values; float32 arithmetic as
  * ops/quant.py's dequantize, rounded to nearest even; int4 by table, above). */
-static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_t Kp, int64_t G,
-                             int64_t n, uint16_t *row) {
+static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_t N, int64_t Kp,
+                             int64_t G, int64_t n, uint16_t *row) {
     if (bits == 8) {
         const int8_t *wr = (const int8_t *)w + n * Kp;
         const __m512 s = _mm512_set1_ps(((const float *)scales)[n]);
@@ -1782,7 +1810,7 @@ static void nb_q_dequant_row(int bits, const void *w, const void *scales, int64_
         }
         return;
     }
-    nb_q4_dequant_row_lut((const uint8_t *)w, (const uint16_t *)scales, Kp, G, n, row);
+    nb_q4_dequant_row_lut((const uint8_t *)w, (const uint16_t *)scales, N, Kp, G, n, row);
 }
 
 /* Dequantize output tile t (64 features, zero past N) to bf16 in the VNNI layout, 16
@@ -1799,7 +1827,7 @@ static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64
     for (int64_t j0 = 0; j0 < NB_TILE; j0 += 16) {
         for (int64_t i = 0; i < 16; i++) {
             const int64_t n = t * NB_TILE + j0 + i;
-            if (n < N) nb_q_dequant_row(bits, w, scales, Kp, G, n, rows + i * Kp);
+            if (n < N) nb_q_dequant_row(bits, w, scales, N, Kp, G, n, rows + i * Kp);
             else memset(rows + i * Kp, 0, (size_t)(K * 2));
         }
         int64_t p = 0;
@@ -1814,16 +1842,16 @@ static void nb_q_dequant_tile(int bits, const void *w, const void *scales, int64
     }
 }
 
-/* Rows [n0, n1) of the weight dequantized to a plain bf16 matrix out [n1 - n0, K]: what
- * products of many rows multiply (ops/quant.py, QuantLinear: in oneDNN on AMX CPUs). */
+/* Rows [n0, n1) of the weight (N rows) dequantized to a plain bf16 matrix out [n1 - n0, K]:
+ * what products of many rows multiply (ops/quant.py, QuantLinear: in oneDNN on AMX CPUs). */
 void nb_dequantize_bf16(int bits, const void *w, const void *scales, uint16_t *out, int64_t n0,
-                        int64_t n1, int64_t K, int64_t Kp, int64_t G, int nthreads) {
+                        int64_t n1, int64_t N, int64_t K, int64_t Kp, int64_t G, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
         uint16_t *row = (uint16_t *)aligned_alloc(64, (size_t)((Kp * 2 + 63) / 64 * 64));
 #pragma omp for schedule(static)
         for (int64_t n = n0; n < n1; n++) {
-            nb_q_dequant_row(bits, w, scales, Kp, G, n, row);
+            nb_q_dequant_row(bits, w, scales, N, Kp, G, n, row);
             memcpy(out + (n - n0) * K, row, (size_t)(K * 2));
         }
         free(row);
@@ -2247,7 +2275,7 @@ static void nb_linear_q4_amx(const uint16_t *x, const uint8_t *w, const uint16_t
         for (int64_t nb = 0; nb < nblocks; nb++) {
             const int64_t n0 = 16 * nb;
             for (int64_t j = 0; j < 16; j++) {
-                if (n0 + j < N) nb_q4_dequant_row_lut(w, sz, Kp, G, n0 + j, a + j * lda);
+                if (n0 + j < N) nb_q4_dequant_row_lut(w, sz, N, Kp, G, n0 + j, a + j * lda);
                 else memset(a + j * lda, 0, (size_t)(Kp * 2));
             }
             for (int64_t g0 = 0; g0 < mt; g0 += NB_Q_AMX_GROUP) {

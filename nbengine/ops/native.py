@@ -77,7 +77,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "nb_lora_bf16": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "nb_amx_usable": [],
     "nb_linear_q8": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT, _INT],
-    "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+    "nb_dequantize_bf16": [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "nb_linear_q4": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT, _INT],
 }
 # Below this many rows (tokens) an elementwise kernel runs on the calling thread alone:
@@ -273,6 +273,7 @@ class NativeKernels:
             out.data_ptr(),
             n0,
             n1,
+            qweight.shape[0],
             in_features,
             kp,
             group_size or 0,

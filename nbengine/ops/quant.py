@@ -17,7 +17,13 @@ bytes are ``G / 8`` dwords of four, and dword ``j`` of the window's group ``l`` 
 dword ``j * c + l`` of a window of ``c`` groups. So each 64 bytes of a full window hold
 one dword of each of 16 groups, and the kernel's 16 int32 lanes sum one group each over
 the whole window, scaling once per window instead of once per 64 bytes
-(``interleave_groups``; docs/quantization.md, "Kernels").
+(``interleave_groups``; docs/quantization.md, "Kernels"). Rows then go by blocks of four
+(``interleave_rows``): within rows ``4 b .. 4 b + 3`` (fewer in a last block of ``R < 4``
+rows), the rows' chunks (the 64-byte runs of full windows, the ``4 c``-byte runs of a last
+window of ``c`` groups) take turns, so a chunk at byte ``off`` of row ``4 b + i`` lies at
+byte ``R off + i * size`` of the block. The four rows a kernel multiplies together are
+then one stream in address order. The tensor keeps its shape ``[N, Kp / 2]``; a slice of
+rows is a valid int4 tensor when it starts at a multiple of 4.
 
 The torch functions here are the reference of the native kernels (tests/ops/test_quant.py
 checks one against the other) and the path taken where the kernels are unavailable.
@@ -63,7 +69,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +89,8 @@ _REF_ROWS = 4096  # output rows the torch reference dequantizes at a time
 # where the AMX tile kernels take those rows; the reference rounds the weights the same
 # way there. int4 keeps its row kernel at every row count where AMX is not used.
 INT8_TILE_ROWS = 64
+_WINDOW = 16  # groups per window of the int4 rows (module docstring)
+_ROW_BLOCK = 4  # int4 rows whose chunks take turns (module docstring)
 
 
 # bfloat16 bytes of weight the dense path (module docstring) dequantizes at a time: a
@@ -161,8 +169,9 @@ QUANT_ELEMENTS = 1 << 22
 
 
 def quant_rows(in_features: int) -> int:
-    """Output rows per slice of ``quantize_weight`` for rows of ``in_features`` inputs."""
-    return max(1, QUANT_ELEMENTS // max(1, in_features))
+    """Output rows per slice of ``quantize_weight`` for rows of ``in_features`` inputs (a
+    multiple of int4's blocks of four rows)."""
+    return max(_ROW_BLOCK, QUANT_ELEMENTS // max(1, in_features) // _ROW_BLOCK * _ROW_BLOCK)
 
 
 def quantized_shapes(
@@ -195,17 +204,38 @@ def quantize_weight(
         q = torch.empty(out_features, kp // 2, dtype=torch.uint8)
         s = torch.empty(out_features, kp // group, 2, dtype=torch.float16)
     at = 0
-    step = quant_rows(in_features)
-    for part in rows:
-        for start in range(0, part.shape[0], step):
-            chunk = part[start : start + step]
-            qc, sc = quantize_int8(chunk) if group is None else quantize_int4(chunk, group)
-            q[at : at + chunk.shape[0]] = qc
-            s[at : at + chunk.shape[0]] = sc
-            at += chunk.shape[0]
+    for chunk in _row_chunks(rows, quant_rows(in_features)):
+        qc, sc = quantize_int8(chunk) if group is None else quantize_int4(chunk, group)
+        q[at : at + chunk.shape[0]] = qc
+        s[at : at + chunk.shape[0]] = sc
+        at += chunk.shape[0]
     if at != out_features:
         raise ValueError(f"rows add up to {at} output rows, expected {out_features}")
     return q, s
+
+
+def _row_chunks(rows: Iterable[torch.Tensor], step: int) -> Iterator[torch.Tensor]:
+    """Slices of ``rows`` (consecutive slices of any sizes) re-cut to ``step`` rows each, a
+    multiple of 4 (the last one shorter), so int4's blocks of four rows (module docstring)
+    never straddle two slices. A slice crossing two given ones is the one copy made."""
+    step = -(-step // _ROW_BLOCK) * _ROW_BLOCK
+    carry: torch.Tensor | None = None
+    for part in rows:
+        if carry is not None:
+            need = step - carry.shape[0]
+            carry = torch.cat([carry, part[:need]])
+            part = part[need:]
+            if carry.shape[0] < step:
+                continue
+            yield carry
+            carry = None
+        whole = part.shape[0] // step * step
+        for start in range(0, whole, step):
+            yield part[start : start + step]
+        if whole < part.shape[0]:
+            carry = part[whole:]
+    if carry is not None:
+        yield carry
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,11 +266,56 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None])
     q = q.clamp_(0, 15).to(torch.uint8)
     half = group_size // 2
-    packed = interleave_groups(q[..., :half] | (q[..., half:] << 4))
+    packed = interleave_rows(interleave_groups(q[..., :half] | (q[..., half:] << 4)), group_size)
     return packed, torch.stack([scale, zero], dim=-1).contiguous()
 
 
-_WINDOW = 16  # groups per window of the int4 rows (module docstring)
+def _row_regions(row_bytes: int, group_size: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, chunk)``: the byte ranges of an int4 row in windows and the size of
+    their chunks: 64 bytes over the full windows, ``4 c`` over a last window of ``c``."""
+    half = group_size // 2
+    ng = row_bytes // half
+    full = ng // _WINDOW * _WINDOW
+    regions = [(0, full * half, 4 * _WINDOW)] if full else []
+    if full < ng:
+        regions.append((full * half, row_bytes, 4 * (ng - full)))
+    return regions
+
+
+def _permute_row_blocks(rows: torch.Tensor, group_size: int, forward: bool) -> torch.Tensor:
+    n, row_bytes = rows.shape
+    out = torch.empty_like(rows)
+    whole = n // _ROW_BLOCK * _ROW_BLOCK
+    for b0, b1 in ((0, whole), (whole, n)):  # the blocks of four, then a last shorter one
+        r = min(_ROW_BLOCK, b1 - b0)
+        if r == 0:
+            continue
+        by_row = (rows if forward else out)[b0:b1].view(-1, r, row_bytes)
+        by_block = (out if forward else rows)[b0:b1].view(-1, r * row_bytes)
+        for start, stop, chunk in _row_regions(row_bytes, group_size):
+            # Bytes [start, stop) of a block's R rows are bytes [R start, R stop) of the
+            # block: [R rows, chunks, chunk] there, [chunks, R rows, chunk] here.
+            per_row = (-1, r, (stop - start) // chunk, chunk)
+            if forward:
+                part = by_row[:, :, start:stop].reshape(per_row).transpose(1, 2)
+                by_block[:, r * start : r * stop] = part.reshape(-1, r * (stop - start))
+            else:
+                part = by_block[:, r * start : r * stop].reshape(
+                    -1, (stop - start) // chunk, r, chunk
+                )
+                by_row[:, :, start:stop] = part.transpose(1, 2).reshape(-1, r, stop - start)
+    return out
+
+
+def interleave_rows(rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[N, Kp / 2]`` int4 rows in windows, row by row -> the rows by blocks of four,
+    their chunks taking turns (module docstring). ``deinterleave_rows`` undoes it."""
+    return _permute_row_blocks(rows, group_size, forward=True)
+
+
+def deinterleave_rows(rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The inverse of ``interleave_rows`` (``rows`` from a multiple of 4 on)."""
+    return _permute_row_blocks(rows, group_size, forward=False)
 
 
 def interleave_groups(groups: torch.Tensor) -> torch.Tensor:
@@ -279,10 +354,11 @@ def deinterleave_groups(rows: torch.Tensor, group_size: int) -> torch.Tensor:
 def dequantize(
     qweight: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int | None
 ) -> torch.Tensor:
-    """The float32 ``[N, in_features]`` weight that ``qweight`` and ``scales`` stand for."""
+    """The float32 ``[N, in_features]`` weight that ``qweight`` and ``scales`` stand for
+    (int4: rows from a multiple of 4 on, module docstring)."""
     if group_size is None:
         return qweight[:, :in_features].float() * scales[:, None]
-    b = deinterleave_groups(qweight, group_size)
+    b = deinterleave_groups(deinterleave_rows(qweight, group_size), group_size)
     n = b.shape[0]
     q = torch.cat([b & 15, b >> 4], dim=-1).float()
     s, z = scales[..., 0].float(), scales[..., 1].float()

@@ -20,12 +20,15 @@ from nbengine.ops.quant import (
     QUANTIZATION_MODES,
     QuantLinear,
     deinterleave_groups,
+    deinterleave_rows,
     dequantize,
     interleave_groups,
+    interleave_rows,
     linear_quantized_reference,
     quantize_int4,
     quantize_int8,
     quantize_linears,
+    quantize_weight,
 )
 
 from support.cpu_features import amx_only
@@ -85,25 +88,47 @@ def test_int4_nibble_layout() -> None:
 
 
 @pytest.mark.parametrize("group", [32, 64, 96])
-def test_int4_rows_in_windows_of_16_groups(group: int) -> None:
-    # Dword j of group l of a window of c groups lies at dword j * c + l of the window:
-    # 37 groups are two full windows and one of 5.
+def test_int4_rows_in_windows_of_16_groups_by_blocks_of_four_rows(group: int) -> None:
+    # Dword j of group l of a window of c groups is dword l of the row's chunk j (4 c
+    # bytes), and chunk j of row i of a block of R rows lies at R (window start + 4 c j) +
+    # 4 c i of the block: 37 groups are two full windows and one of 5, 7 rows a block of
+    # four and a last one of three.
     torch.manual_seed(3)
-    ng, half = 37, group // 2
-    w = torch.randn(3, ng * group)
+    n, ng, half = 7, 37, group // 2
+    w = torch.randn(n, ng * group)
     q, sz = quantize_int4(w, group)
     s, z = sz[..., 0].float(), sz[..., 1].float()
-    v = torch.round((w.view(3, ng, group) - z[..., None]) / s[..., None])
+    v = torch.round((w.view(n, ng, group) - z[..., None]) / s[..., None])
     v = v.clamp(0, 15).to(torch.uint8)
-    in_order = v[..., :half] | (v[..., half:] << 4)  # [3, ng, half], group by group
-    for g in range(ng):
-        g0 = g // 16 * 16
-        c, lane = min(16, ng - g0), g - g0
-        for b in range(half):
-            at = g0 * half + 4 * ((b // 4) * c + lane) + b % 4
-            assert q[:, at].tolist() == in_order[:, g, b].tolist(), (g, b)
-    assert torch.equal(deinterleave_groups(q, group), in_order)
-    assert torch.equal(interleave_groups(in_order), q)
+    in_order = v[..., :half] | (v[..., half:] << 4)  # [n, ng, half], group by group
+    flat = q.view(-1)
+    for row in range(n):
+        b0 = row // 4 * 4
+        r, i = min(4, n - b0), row - b0
+        for g in range(ng):
+            g0 = g // 16 * 16
+            c, lane = min(16, ng - g0), g - g0
+            for b in range(half):
+                j = b // 4  # the chunk
+                at = b0 * q.shape[1] + r * (g0 * half + 4 * c * j) + 4 * c * i + 4 * lane + b % 4
+                assert int(flat[at]) == int(in_order[row, g, b]), (row, g, b)
+    windows = deinterleave_rows(q, group)
+    assert torch.equal(deinterleave_groups(windows, group), in_order)
+    assert torch.equal(interleave_rows(interleave_groups(in_order), group), q)
+    # A slice of whole blocks is the same int4 tensor as those rows quantized alone.
+    assert torch.equal(quantize_int4(w[4:], group)[0], q[4:])
+
+
+def test_int4_quantized_in_slices_of_any_rows_equals_at_once() -> None:
+    """A checkpoint's weight comes in slices (its files, read a slice at a time): whatever
+    their sizes, int4's blocks of four rows come out whole."""
+    w = torch.randn(37, 200)
+    at_once = quantize_int4(w, 64)
+    parts = (w[:5], w[5:6], w[6:30], w[30:])
+    in_slices = quantize_weight(parts, 37, 200, "int4")
+    assert torch.equal(in_slices[0], at_once[0]) and torch.equal(in_slices[1], at_once[1])
+    with pytest.raises(ValueError, match="36 output rows, expected 37"):
+        quantize_weight((w[:36],), 37, 200, "int4")
 
 
 def test_bad_group_and_mode() -> None:
