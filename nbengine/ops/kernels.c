@@ -1523,7 +1523,7 @@ static void nb_q8_rows(const nb_qx *in, const int8_t *w, const float *scales,
  * turn, then chunk j + 1 (ops/quant.py lays them out so). The same four rows side by
  * side, four streams a row apart, read 19-20 GB/s from memory on one core of the AMD
  * host with the software prefetches (10 without them); one stream reads 28-30 without
- * them, and on two threads it took the 1B shape's 16 layers from 14.6-15.0 to 9.8-10.5
+ * them, and on two threads it took the 1B shape's 16 layers from 14.6-15.7 to 9.7-10.6
  * ms (interleaved runs; docs/benchmarks.md, "int4 rows by blocks of four").
  *
  * A window of 16 groups at a time (ops/quant.py lays each row out so): lane l of every
