@@ -18,12 +18,13 @@ dword ``j * c + l`` of a window of ``c`` groups. So each 64 bytes of a full wind
 one dword of each of 16 groups, and the kernel's 16 int32 lanes sum one group each over
 the whole window, scaling once per window instead of once per 64 bytes
 (``interleave_groups``; docs/quantization.md, "Kernels"). Rows then go by blocks of four
-(``interleave_rows``): within rows ``4 b .. 4 b + 3`` (fewer in a last block of ``R < 4``
-rows), the rows' chunks (the 64-byte runs of full windows, the ``4 c``-byte runs of a last
-window of ``c`` groups) take turns, so a chunk at byte ``off`` of row ``4 b + i`` lies at
-byte ``R off + i * size`` of the block. The four rows a kernel multiplies together are
-then one stream in address order. The tensor keeps its shape ``[N, Kp / 2]``; a slice of
-rows is a valid int4 tensor when it starts at a multiple of 4.
+(``interleave_rows``): within each block of ``R`` rows ``4 b ..`` (``R = 4``; the last
+block: the rows left over), the rows' chunks (the 64-byte runs of full windows, the
+``4 c``-byte runs of a last window of ``c`` groups) take turns, so the chunk that starts at
+byte ``off`` of row ``4 b + i`` starts at byte ``R * off + i * size`` of the block (``size``:
+the chunk's). The four rows a kernel
+multiplies together are then one stream in address order. The tensor keeps its shape
+``[N, Kp / 2]``; a slice of rows is a valid int4 tensor when it starts at a multiple of 4.
 
 The torch functions here are the reference of the native kernels (tests/ops/test_quant.py
 checks one against the other) and the path taken where the kernels are unavailable.
@@ -283,6 +284,8 @@ def _row_regions(row_bytes: int, group_size: int) -> list[tuple[int, int, int]]:
 
 
 def _permute_row_blocks(rows: torch.Tensor, group_size: int, forward: bool) -> torch.Tensor:
+    """``interleave_rows`` (``forward``) or its inverse, into a new tensor."""
+    rows = rows.contiguous()
     n, row_bytes = rows.shape
     out = torch.empty_like(rows)
     whole = n // _ROW_BLOCK * _ROW_BLOCK
