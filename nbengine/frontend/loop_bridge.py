@@ -274,9 +274,9 @@ def reap_engine(client: CoreClient, exit_stack: contextlib.ExitStack) -> None:
                 _reapers.discard(threading.current_thread())
 
     thread = threading.Thread(target=reap, name="nbengine-reaper", daemon=True)
-    with _reapers_lock:
+    with _reapers_lock:  # started under the lock: wait_for_reapers never joins it unstarted
         _reapers.add(thread)
-    thread.start()
+        thread.start()
 
 
 def wait_for_reapers(timeout: float) -> bool:
