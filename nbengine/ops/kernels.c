@@ -1232,9 +1232,9 @@ int nb_lora_bf16(const uint16_t *x, uint16_t *y, const int32_t *slot, const uint
  * hardware prefetcher follows poorly; int8's one-row kernel reads them in order
  * instead, and int4's rows are laid out so that the four are one stream), so they
  * prefetch the block of four rows this many blocks ahead, linearly, while computing the
- * current one (on AMD CPUs, not for those two: nb_prefetch_rows_ahead). Same A/B as
- * NB_PREFETCH_BYTES,
- * two threads: int8 10.3 -> 5.0 ms, int4 7.5 -> 4.8 ms (2 to 6 blocks ahead within 10%).
+ * current one (at one row of x on AMD CPUs, not those two: nb_prefetch_rows_ahead).
+ * Same A/B as NB_PREFETCH_BYTES, two threads, rows side by side: int8 10.3 -> 5.0 ms,
+ * int4 7.5 -> 4.8 ms (2 to 6 blocks ahead within 10%).
  * int4 rows are half as long, so int4 looks twice as many blocks ahead, the same bytes:
  * 2-3% faster than 4 blocks on the Intel host (docs/benchmarks.md, "int4 in windows of
  * 16 groups"). */
@@ -1630,8 +1630,8 @@ static void nb_q4_rows(const nb_qx *in, const uint8_t *w, const uint16_t *sz,
     const uint16_t *sr[4];
     for (int i = 0; i < 4; i++) sr[i] = sz + (n0 + i < n1 ? n0 + i : n1 - 1) * ng * 2;
     /* The first pass over the block prefetches its scales and the block
-     * NB_Q4_PREFETCH_BLOCKS on: always for more than one row of x, where nb_prefetch_rows_ahead
-     * says so for one. (On the AMD host, with two rows or more each block computes long
+     * NB_Q4_PREFETCH_BLOCKS on: always for more than one row of x, and for one where
+     * nb_prefetch_rows_ahead says so. (On the AMD host, with two rows or more each block computes long
      * enough that the hardware prefetcher alone falls behind: four 1B layers on two
      * threads took 3.4 ms at 2 rows and 55-57 at 64 without, 2.7-3.0 and 53.5-54 with, as
      * with the rows side by side; at one row, no prefetch reads 28-30 GB/s against 20.) */
